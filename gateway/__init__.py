@@ -1,0 +1,1 @@
+"""OpenAI-compatible REST gateway in front of the worker's Generate."""

@@ -1,0 +1,1 @@
+"""Grammar service: compiles constraints with llguidance and serves per-step token masks over gRPC."""

@@ -1,0 +1,48 @@
+"""The `maskwire` command: one subcommand per service plus local tooling.
+
+Each subcommand lives in a light module exposing `add_arguments(parser)` and `run(args) -> int`,
+so `maskwire --help` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "grammar-service": ("grammar_service.cli", "run the gRPC grammar service (CPU)"),
+    "worker": ("neuron_worker.cli", "run the device worker (model + sampler)"),
+    "gateway": ("gateway.cli", "run the OpenAI-compatible REST gateway"),
+    "up": ("maskwire.up", "run grammar service, worker and gateway locally"),
+    "generate": ("maskwire.generate", "send one Generate request and print the answer"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="maskwire", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name is None or not module.startswith(e.name):
+                raise
+            continue
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run = getattr(args, "_run", None)
+    if run is None:
+        print(f"maskwire {args.command}: not available in this build", file=sys.stderr)
+        return 2
+    return int(run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""gRPC plumbing shared by the services: servers with health and reflection, rich errors, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Iterable, Sequence
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+FieldViolation = tuple[str, str]
+"""(field path, description) for `google.rpc.BadRequest`."""
+
+
+def status_proto(
+    code: grpc.StatusCode, message: str, violations: Sequence[FieldViolation] = (), reason: str = ""
+) -> status_pb2.Status:
+    """A `google.rpc.Status` with `BadRequest` / `ErrorInfo` details, for in-band errors."""
+    details: list[any_pb2.Any] = []
+    if violations:
+        bad = error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field=f, description=d)
+                for f, d in violations
+            ]
+        )
+        packed = any_pb2.Any()
+        packed.Pack(bad)
+        details.append(packed)
+    if reason:
+        info = any_pb2.Any()
+        info.Pack(error_details_pb2.ErrorInfo(reason=reason, domain="maskwire"))
+        details.append(info)
+    return status_pb2.Status(code=code.value[0], message=message, details=details)
+
+
+class RpcError(Exception):
+    """An error that maps to a gRPC status with rich details; raise it from service code."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        violations: Sequence[FieldViolation] = (),
+        reason: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.violations = tuple(violations)
+        self.reason = reason
+
+    def to_status(self) -> status_pb2.Status:
+        return status_proto(self.code, self.message, self.violations, self.reason)
+
+    async def abort(self, context: grpc.aio.ServicerContext) -> None:
+        await context.abort_with_status(rpc_status.to_status(self.to_status()))
+
+    @classmethod
+    def from_status(cls, status: status_pb2.Status) -> RpcError:
+        code = _CODE_BY_VALUE.get(status.code, grpc.StatusCode.UNKNOWN)
+        violations: list[FieldViolation] = []
+        reason = ""
+        for d in status.details:
+            if d.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                bad = error_details_pb2.BadRequest()
+                d.Unpack(bad)
+                violations += [(v.field, v.description) for v in bad.field_violations]
+            elif d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                d.Unpack(info)
+                reason = info.reason
+        return cls(code, status.message, violations, reason)
+
+    @classmethod
+    def from_call_error(cls, err: grpc.aio.AioRpcError) -> RpcError:
+        """Recover rich details from a failed call (falls back to code + message)."""
+        status = rpc_status.from_call(err)  # type: ignore[arg-type]
+        if status is not None:
+            return cls.from_status(status)
+        return cls(err.code(), err.details() or "")
+
+
+_CODE_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+assert _CODE_BY_VALUE[code_pb2.INVALID_ARGUMENT] is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+class Server:
+    """A grpc.aio server with health, reflection and a graceful drain on SIGTERM/SIGINT."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        service_names: Iterable[str],
+        register: Callable[[grpc.aio.Server], None],
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        credentials: grpc.ServerCredentials | None = None,
+    ) -> None:
+        self.server = grpc.aio.server(options=channel_options(max_message_bytes))
+        register(self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = [*service_names, ""]
+        reflection.enable_server_reflection(
+            [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
+        address = f"{host}:{port}"
+        if credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, credentials)
+        if self.port == 0:
+            raise OSError(f"cannot bind {address}")
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in self.service_names:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def drain(self, grace_s: float) -> None:
+        """Report NOT_SERVING, refuse new calls, let in-flight calls finish for `grace_s`."""
+        for name in self.service_names:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace_s)
+
+    async def serve_until_signal(
+        self, grace_s: float, on_drain: Callable[[], object] | None = None
+    ) -> None:
+        """Run until SIGTERM/SIGINT, then drain."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        waiter = asyncio.create_task(self.server.wait_for_termination())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            log.info("signal received: draining for up to %.1fs", grace_s)
+            if on_drain is not None:
+                result = on_drain()
+                if asyncio.iscoroutine(result):
+                    await result
+            await self.drain(grace_s)
+        waiter.cancel()
+        stopper.cancel()
+
+
+def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerCredentials:
+    """TLS for a server; with `client_ca`, clients must present a certificate it signed (mTLS)."""
+    with open(cert, "rb") as c, open(key, "rb") as k:
+        pair = [(k.read(), c.read())]
+    if client_ca:
+        with open(client_ca, "rb") as ca:
+            return grpc.ssl_server_credentials(
+                pair, root_certificates=ca.read(), require_client_auth=True
+            )
+    return grpc.ssl_server_credentials(pair)
+
+
+def start_metrics_server(port: int, host: str = "127.0.0.1") -> None:
+    """Serve Prometheus metrics on http://host:port/metrics (port 0 disables)."""
+    if port:
+        import prometheus_client
+
+        prometheus_client.start_http_server(port, addr=host)

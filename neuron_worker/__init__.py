@@ -1,0 +1,1 @@
+"""Device worker: model, KV cache, continuous-batching engine and the compiled masked sampler."""
