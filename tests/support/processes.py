@@ -1,0 +1,108 @@
+"""Start real maskwire processes on loopback for integration tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServiceProcess:
+    """One `maskwire <command> ...` child process with its log captured to a file."""
+
+    def __init__(self, command: str, args: list[str], port: int, *, http: bool = False) -> None:
+        self.command = command
+        self.port = port
+        self.http = http
+        self.address = f"127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the process)
+            prefix=f"maskwire-{command}-", suffix=".log", delete=False
+        )
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "maskwire.cli", command, "--port", str(port), *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env,
+        )
+
+    def log_text(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.command} exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}"
+                )
+            if self._healthy():
+                return
+            time.sleep(0.2)
+        raise TimeoutError(
+            f"{self.command} not ready after {timeout_s}s:\n{self.log_text()[-4000:]}"
+        )
+
+    def _healthy(self) -> bool:
+        if self.http:
+            try:
+                with urllib.request.urlopen(f"http://{self.address}/health", timeout=2) as r:
+                    return bool(r.status == 200)
+            except OSError:
+                return False
+        with grpc.insecure_channel(self.address) as ch:
+            try:
+                resp = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(), timeout=2
+                )
+            except grpc.RpcError:
+                return False
+            return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout_s: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return int(self.proc.returncode)
+
+
+@contextlib.contextmanager
+def running(
+    command: str, args: list[str], *, http: bool = False, timeout_s: float = 180.0
+) -> Iterator[ServiceProcess]:
+    """Start a service, wait until healthy, stop it (SIGTERM) afterwards."""
+    svc = ServiceProcess(command, args, free_port(), http=http)
+    try:
+        svc.wait_ready(timeout_s)
+        yield svc
+    finally:
+        svc.stop()
