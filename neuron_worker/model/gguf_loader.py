@@ -1,0 +1,107 @@
+"""Weights and config from a GGUF file (llama.cpp format), dequantized with the `gguf` package.
+
+GGUF lists tensor dimensions fastest-first; `gguf.quants.dequantize` already returns them in torch
+(row-major) order. llama.cpp stores Q and K of `llama`-architecture files permuted for its
+adjacent-pair RoPE; we undo that here so the model only knows the Hugging Face rotate-half layout.
+`qwen2` files are stored unpermuted (NEOX RoPE) and carry q/k/v biases.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from neuron_worker.model.config import ModelConfig, ModelLoadError, config_from_gguf
+
+# GGUF tensor name (after `blk.{i}.`) -> canonical name (after `layers.{i}.`).
+_LAYER_NAMES = {
+    "attn_norm.weight": "attention_norm.weight",
+    "attn_q.weight": "attention.wq.weight",
+    "attn_k.weight": "attention.wk.weight",
+    "attn_v.weight": "attention.wv.weight",
+    "attn_q.bias": "attention.wq.bias",
+    "attn_k.bias": "attention.wk.bias",
+    "attn_v.bias": "attention.wv.bias",
+    "attn_output.weight": "attention.wo.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "ffn_gate.weight": "feed_forward.w1.weight",
+    "ffn_up.weight": "feed_forward.w3.weight",
+    "ffn_down.weight": "feed_forward.w2.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "tok_embeddings.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "output.weight",
+}
+
+
+def unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
+    """Inverse of llama.cpp's `permute`: adjacent-pair rows per head -> rotate-half rows."""
+    rows = w.shape[0]
+    head_dim = rows // n_heads
+    return (
+        w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:])
+        .transpose(1, 2)
+        .reshape(w.shape)
+        .contiguous()
+    )
+
+
+def _canonical_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        if rest in _LAYER_NAMES:
+            return f"layers.{idx}.{_LAYER_NAMES[rest]}"
+    return None
+
+
+def load_gguf(path: Path, name: str) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """Read a GGUF file: (config, canonical fp32 weights on CPU)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
+    fields: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            try:
+                fields[key] = field.contents()
+            except Exception:  # exotic metadata we do not need
+                continue
+
+    tensors: dict[str, Tensor] = {}
+    rope_freqs: Tensor | None = None
+    for t in reader.tensors:
+        data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        tensor = torch.from_numpy(data.copy())
+        if t.name == "rope_freqs.weight":
+            rope_freqs = tensor.flatten()
+            continue
+        canonical = _canonical_name(t.name)
+        if canonical is not None:
+            tensors[canonical] = tensor
+
+    if "tok_embeddings.weight" not in tensors:
+        raise ModelLoadError(f"{path}: no token_embd.weight tensor")
+    config = config_from_gguf(
+        fields,
+        name,
+        vocab_size=int(tensors["tok_embeddings.weight"].shape[0]),
+        tie_embeddings="output.weight" not in tensors,
+        rope_freq_factors=None if rope_freqs is None else tuple(rope_freqs.tolist()),
+    )
+    if fields.get("general.architecture") == "llama":
+        for i in range(config.n_layers):
+            for key, heads in (("wq", config.n_heads), ("wk", config.n_kv_heads)):
+                full = f"layers.{i}.attention.{key}.weight"
+                if full in tensors:
+                    tensors[full] = unpermute_rope(tensors[full], heads)
+    return config, tensors

@@ -1,0 +1,285 @@
+"""A Llama-family decoder in plain torch with a static, slot-addressed KV cache.
+
+One `forward` serves prefill, decode and mixed batches: every row names its cache slot and every
+token its position (`-1` = padding). Shapes depend only on (B, T, kv_len), never on values, so each
+bucket compiles to one graph under `torch.compile(fullgraph=True)` and traces once under torch_xla.
+Checkpoint quirks (permuted Q/K, unfused q/k/v, tied heads) are resolved by the loaders and by
+`load_weights`, never in the forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from neuron_worker.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 whatever the weights' dtype, as the reference implementation does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """K/V for `max_batch` slots x `max_seq` positions, plus one scratch position per slot.
+
+    Padding tokens are written to the scratch position (index `max_seq`), which attention never
+    reads because `kv_len <= max_seq`: this keeps the write a single static-shape `index_put_`.
+    Layout [slot, kv_head, position, head_dim] so a slot's prefix is a strided view for SDPA.
+    """
+
+    k_cache: Tensor
+    v_cache: Tensor
+
+    def __init__(
+        self,
+        max_batch: int,
+        max_seq: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        shape = (max_batch, n_kv_heads, max_seq + 1, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, slots: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
+        """slots, pos: int64 [B, T]; k, v: [B, T, n_kv_heads, head_dim]."""
+        self.k_cache[slots, :, pos] = k
+        self.v_cache[slots, :, pos] = v
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE (Hugging Face layout). x: [B, T, H, D]; cos, sin: [B, T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.head_dim
+        self.wqkv = nn.Linear(config.dim, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
+        self.wo = nn.Linear(config.q_size, config.dim, bias=False)
+        self.kv_cache: KVCache | None = None
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+        write_slots: Tensor,
+        write_pos: Tensor,
+        cache_slots: Tensor,
+        kv_len: int,
+    ) -> Tensor:
+        assert self.kv_cache is not None, "call setup_caches() first"
+        b, t, _ = x.shape
+        kvh, hd = self.n_kv_heads, self.head_dim
+        group = self.n_heads // kvh
+        q, k, v = self.wqkv(x).split([self.n_heads * hd, kvh * hd, kvh * hd], dim=-1)
+        q = apply_rope(q.view(b, t, self.n_heads, hd), cos, sin)
+        k = apply_rope(k.view(b, t, kvh, hd), cos, sin)
+        self.kv_cache.update(write_slots, write_pos, k, v.view(b, t, kvh, hd))
+
+        # Slice before gathering: only [0, kv_len) of each row's slot is copied.
+        keys = self.kv_cache.k_cache[:, :, :kv_len][cache_slots]
+        values = self.kv_cache.v_cache[:, :, :kv_len][cache_slots]
+        # GQA without repeating K/V: the `group` query heads sharing a KV head become extra query
+        # rows of that head ([B, kvh, group*T, hd]); the mask is expanded to match.
+        q = q.view(b, t, kvh, group, hd).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * t, hd)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        y = y.view(b, kvh, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, self.n_heads * hd)
+        return self.wo(y)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU with gate and up projections fused into one matmul (`w13`)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.ffn_dim = config.ffn_dim
+        self.w13 = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+        write_slots: Tensor,
+        write_pos: Tensor,
+        cache_slots: Tensor,
+        kv_len: int,
+    ) -> Tensor:
+        h = x + self.attention(
+            self.attention_norm(x), cos, sin, mask, write_slots, write_pos, cache_slots, kv_len
+        )
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def rope_table(config: ModelConfig, max_seq: int) -> tuple[Tensor, Tensor]:
+    """fp32 cos/sin tables [max_seq, head_dim] in the rotate-half layout."""
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float64)
+    angles = torch.outer(torch.arange(max_seq, dtype=torch.float64), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+class Transformer(nn.Module):
+    """The decoder. Call `setup_caches` once, then `forward` for every step; `logits` on demand."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.max_batch = 0
+        self.max_seq = 0
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def setup_caches(self, max_batch: int, max_seq: int) -> None:
+        """Allocate the static KV cache on the model's device/dtype: max_batch slots x max_seq positions."""
+        if max_batch < 1 or max_seq < 1:
+            raise ValueError("max_batch and max_seq must be >= 1")
+        weight = self.tok_embeddings.weight
+        c = self.config
+        for layer in self.layers:
+            attn = layer.attention
+            assert isinstance(attn, Attention)
+            attn.kv_cache = KVCache(
+                max_batch,
+                max_seq,
+                c.n_kv_heads,
+                c.head_dim,
+                dtype=weight.dtype,
+                device=weight.device,
+            )
+        cos, sin = rope_table(c, max_seq)
+        self.rope_cos = cos.to(weight.device, weight.dtype)
+        self.rope_sin = sin.to(weight.device, weight.dtype)
+        self.max_batch, self.max_seq = max_batch, max_seq
+
+    def forward(
+        self, tokens: Tensor, input_pos: Tensor, cache_slots: Tensor, kv_len: int
+    ) -> Tensor:
+        """tokens, input_pos: int64 [B, T]; cache_slots: int64 [B]; kv_len: static bucket.
+
+        Writes K/V of every (b, t) with input_pos >= 0 into slot cache_slots[b] at that position;
+        a query at position p attends its slot's positions <= p (within [0, kv_len)). input_pos
+        -1 is padding: not written, not attended, its (finite) output is garbage. Returns the
+        final-normed hidden states [B, T, dim].
+        """
+        if not 0 < kv_len <= self.max_seq:
+            raise ValueError(f"kv_len={kv_len} outside (0, max_seq={self.max_seq}]")
+        b, t = tokens.shape
+        group = self.config.n_heads // self.config.n_kv_heads
+        pos = input_pos.clamp(min=0)
+        cos = self.rope_cos[pos].unsqueeze(2)
+        sin = self.rope_sin[pos].unsqueeze(2)
+        # Padding rows see position 0 only (never an all-masked row, so never NaN).
+        mask = torch.arange(kv_len, device=tokens.device) <= pos.unsqueeze(-1)  # [B, T, kv_len]
+        mask = mask.unsqueeze(1).expand(b, group, t, kv_len).reshape(b, 1, group * t, kv_len)
+        write_slots = cache_slots.unsqueeze(1).expand(b, t)
+        write_pos = torch.where(input_pos >= 0, input_pos, self.max_seq)
+
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, write_slots, write_pos, cache_slots, kv_len)
+        return self.norm(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """[N, dim] -> [N, vocab_size] float32 (LM head)."""
+        return self.output(hidden).float()
+
+    def load_weights(self, weights: Mapping[str, Tensor]) -> None:
+        """Assign canonical (unfused) weights, fusing q/k/v and gate/up once.
+
+        Canonical names: `tok_embeddings.weight`, `norm.weight`, optional `output.weight`, and per
+        layer `layers.{i}.` + `attention_norm.weight`, `attention.w{q,k,v}.weight` (+ `.bias`
+        when qkv_bias), `attention.wo.weight`, `ffn_norm.weight`, `feed_forward.w1.weight` (gate),
+        `feed_forward.w3.weight` (up), `feed_forward.w2.weight` (down). Q/K in rotate-half layout.
+        """
+        src = dict(weights)
+        state: dict[str, Tensor] = {}
+
+        def take(name: str) -> Tensor:
+            try:
+                return src.pop(name)
+            except KeyError:
+                raise KeyError(f"missing weight {name!r}") from None
+
+        state["tok_embeddings.weight"] = take("tok_embeddings.weight")
+        state["norm.weight"] = take("norm.weight")
+        for i in range(self.config.n_layers):
+            p = f"layers.{i}."
+            for name in (
+                "attention_norm.weight",
+                "ffn_norm.weight",
+                "attention.wo.weight",
+                "feed_forward.w2.weight",
+            ):
+                state[p + name] = take(p + name)
+            state[p + "attention.wqkv.weight"] = torch.cat(
+                [take(p + f"attention.w{x}.weight") for x in "qkv"]
+            )
+            if self.config.qkv_bias:
+                state[p + "attention.wqkv.bias"] = torch.cat(
+                    [take(p + f"attention.w{x}.bias") for x in "qkv"]
+                )
+            state[p + "feed_forward.w13.weight"] = torch.cat(
+                [take(p + "feed_forward.w1.weight"), take(p + "feed_forward.w3.weight")]
+            )
+        head = src.pop("output.weight", None)
+        if src:
+            raise KeyError(f"unexpected weights: {sorted(src)[:5]}")
+        if not self.config.tie_embeddings:
+            if head is None:
+                raise KeyError("missing weight 'output.weight' (embeddings are not tied)")
+            state["output.weight"] = head
+        self.load_state_dict(state, strict=False, assign=True)
+        if self.config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        missing = [n for n, prm in self.named_parameters() if prm.is_meta]
+        if missing:
+            raise KeyError(f"weights not loaded: {missing[:5]}")
