@@ -1,0 +1,220 @@
+"""Run a few maskwire services as child processes: start, probe health, relay logs, stop in order.
+
+Used by `maskwire up`. Each child is `python -m maskwire.cli <command> --port P ...` in its own
+process group (so a terminal Ctrl-C reaches only the supervisor, which then stops the children in
+the order it chooses), with a parent-death signal on Linux so children never outlive a killed
+supervisor. Output goes line by line to a log file and, optionally, to stderr with a name prefix.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+TAIL_LINES = 40
+
+
+class ChildExited(RuntimeError):
+    """A child process ended while it was expected to run."""
+
+    def __init__(self, child: Child) -> None:
+        self.child = child
+        super().__init__(f"{child.name} exited with {child.describe_exit()}")
+
+
+def _parent_death_signal() -> None:
+    # Runs in the child between fork and exec: ask Linux to SIGTERM it when the supervisor dies.
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            pr_set_pdeathsig = 1
+            libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+        except (OSError, AttributeError):
+            pass
+
+
+def grpc_healthy(address: str, timeout_s: float = 2.0) -> bool:
+    """True when the gRPC server at `address` reports SERVING for the overall health check."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return False
+    return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def http_healthy(url: str, timeout_s: float = 2.0) -> bool:
+    """True when GET `url` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return bool(r.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+class Child:
+    """One supervised `maskwire` subcommand."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        log_path: Path,
+        probe: Callable[[], bool],
+        echo: IO[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.probe = probe
+        self.echo = echo
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.stopping = False
+        self._reader: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            process_group=0,
+            preexec_fn=_parent_death_signal,
+        )
+        self._reader = threading.Thread(target=self._relay, name=f"log-{self.name}", daemon=True)
+        self._reader.start()
+
+    def _relay(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        prefix = f"[{self.name}] "
+        with self.log_path.open("w", encoding="utf-8") as log:
+            for raw in self.proc.stdout:
+                line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                self.tail.append(line)
+                log.write(line + "\n")
+                log.flush()
+                if self.echo is not None:
+                    try:
+                        self.echo.write(prefix + line + "\n")
+                        self.echo.flush()
+                    except (OSError, ValueError):
+                        pass
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def describe_exit(self) -> str:
+        code = self.poll()
+        if code is None:
+            return "no exit (still running)"
+        if code < 0:
+            try:
+                return f"signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"signal {-code}"
+        return f"exit code {code}"
+
+    def last_lines(self, n: int = 20) -> list[str]:
+        """The child's last output lines (waits briefly for the relay to drain after exit)."""
+        if self._reader is not None and not self.running:
+            self._reader.join(timeout=2)
+        return list(self.tail)[-n:]
+
+    def wait_ready(
+        self, timeout_s: float, should_abort: Callable[[], bool] = lambda: False
+    ) -> bool:
+        """Poll the health probe until it passes (True), or `should_abort()` (False).
+
+        Raises `ChildExited` if the process ends and `TimeoutError` after `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if should_abort():
+                return False
+            if not self.running:
+                raise ChildExited(self)
+            if self.probe():
+                return True
+            time.sleep(0.25)
+        raise TimeoutError(f"{self.name} was not healthy after {timeout_s:g}s")
+
+    def terminate(self) -> None:
+        if self.running:
+            self.stopping = True
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.running:
+            self.stopping = True
+            assert self.proc is not None
+            self.proc.kill()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait for exit; True if it exited in time."""
+        if self.proc is None:
+            return True
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        if self._reader is not None:
+            self._reader.join(timeout=2)
+        return True
+
+
+def stop_in_order(
+    tiers: Sequence[Sequence[Child]],
+    grace_s: float,
+    *,
+    force: Callable[[], bool] = lambda: False,
+    say: Callable[[str], None] = lambda _: None,
+) -> None:
+    """SIGTERM each tier (its children together), wait up to `grace_s`, then SIGKILL what is left.
+
+    Tiers go in the order given (gateway, worker, grammar replicas). `force()` returning True
+    (a second Ctrl-C) skips the grace period.
+    """
+    for tier in tiers:
+        live = [c for c in tier if c.running]
+        if not live:
+            continue
+        for c in live:
+            c.terminate()
+        deadline = time.monotonic() + grace_s
+        while any(c.running for c in live) and time.monotonic() < deadline and not force():
+            time.sleep(0.1)
+        for c in live:
+            if c.running:
+                say(f"{c.name} did not stop within {grace_s:g}s: killing it")
+                c.kill()
+            c.wait(5)

@@ -1,0 +1,391 @@
+"""`maskwire up`: grammar service replicas, a worker and the gateway on this machine, supervised.
+
+Starts the tiers in dependency order (grammar replicas, then the worker pointed at them, then the
+gateway pointed at the worker), waits for each to pass its health check, prints where to send
+requests and runs until Ctrl-C or SIGTERM. Then it stops the tiers in reverse order (gateway,
+worker, grammar), each with a grace period to drain before SIGKILL. A child that dies is reported
+with its last log lines, everything else is stopped, and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from maskwire.supervise import Child
+
+DEFAULT_GATEWAY_PORT = 8000
+DEFAULT_WORKER_PORT = 50052
+DEFAULT_GRAMMAR_PORT = 50051
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_GATEWAY_PORT,
+        help=f"gateway HTTP port (default {DEFAULT_GATEWAY_PORT}; 0 picks a free port)",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address every service binds (default 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--worker-port",
+        type=int,
+        default=DEFAULT_WORKER_PORT,
+        help=f"worker gRPC port (default {DEFAULT_WORKER_PORT}, where `maskwire generate` looks; "
+        "0 picks a free port)",
+    )
+    parser.add_argument(
+        "--grammar-port",
+        type=int,
+        default=DEFAULT_GRAMMAR_PORT,
+        help=f"gRPC port of the first grammar replica, the next ones count up (default "
+        f"{DEFAULT_GRAMMAR_PORT}; 0 picks free ports)",
+    )
+    parser.add_argument(
+        "--grammar-replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="grammar service processes to run (default 1)",
+    )
+    parser.add_argument(
+        "--model", default="default", help="model SPEC (default: the embedded SmolLM2-135M)"
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda", "xla"), default="cpu", help="worker device (cpu)"
+    )
+    parser.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument passed to `maskwire worker` (repeat it; use --worker-arg=--flag)",
+    )
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="write each service's log here (default: a new temporary directory)",
+    )
+    parser.add_argument(
+        "--show-logs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="echo service logs to stderr, prefixed by service (default: on, off with --demo)",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long each service may take to become healthy (default 600)",
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=20.0,
+        metavar="SECONDS",
+        help="on stop, how long each service may drain before SIGKILL (default 20)",
+    )
+    parser.add_argument(
+        "--demo",
+        action="store_true",
+        help="start everything on free ports, send one JSON-schema-constrained chat request "
+        "through the gateway, print it and the validated answer, then stop",
+    )
+
+
+@dataclass
+class Ports:
+    gateway: int
+    worker: int
+    grammar: list[int]
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def choose_ports(args: argparse.Namespace) -> Ports:
+    """Resolve the port flags (0 = free port; --demo = all free) and check they are bindable."""
+    host = args.host
+    if args.demo:
+        return Ports(
+            _free_port(host),
+            _free_port(host),
+            [_free_port(host) for _ in range(args.grammar_replicas)],
+        )
+    gateway = args.port or _free_port(host)
+    worker = args.worker_port or _free_port(host)
+    if args.grammar_port:
+        grammar = [args.grammar_port + i for i in range(args.grammar_replicas)]
+    else:
+        grammar = [_free_port(host) for _ in range(args.grammar_replicas)]
+    wanted = [("--port", gateway), ("--worker-port", worker)]
+    wanted += [("--grammar-port", p) for p in grammar]
+    seen: set[int] = set()
+    for flag, port in wanted:
+        if port in seen:
+            raise SystemExit(f"maskwire up: port {port} is used twice; choose different ports")
+        seen.add(port)
+        if not _port_free(host, port):
+            raise SystemExit(
+                f"maskwire up: {host}:{port} is already in use (set {flag} to another port, "
+                "or 0 for a free one; is another `maskwire up` running?)"
+            )
+    return Ports(gateway, worker, grammar)
+
+
+class _Signals:
+    """First SIGINT/SIGTERM asks for a graceful stop, a second one forces it."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.force = threading.Event()
+        self.received = ""
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.stop.is_set():
+            self.force.set()
+            return
+        self.received = signal.Signals(signum).name
+        self.stop.set()
+
+
+def _say(text: str) -> None:
+    print(f"maskwire up: {text}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from maskwire.supervise import Child, ChildExited, http_healthy, stop_in_order
+
+    if args.grammar_replicas < 1:
+        _say("--grammar-replicas must be at least 1")
+        return 2
+    if args.model == "default":
+        from maskwire.tokenizer import TokenizerLoadError, embedded_model_path
+
+        try:
+            embedded_model_path()
+        except TokenizerLoadError as e:
+            _say(f"cannot find the embedded model: {e}")
+            return 2
+    ports = choose_ports(args)
+    show_logs = (not args.demo) if args.show_logs is None else args.show_logs
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="maskwire-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    host = args.host
+    connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+
+    def addr(port: int) -> str:
+        return f"[{connect_host}]:{port}" if ":" in connect_host else f"{connect_host}:{port}"
+
+    where: dict[str, str] = {}
+
+    def child(
+        name: str, command: str, port: int, extra: list[str], probe: Callable[[], bool]
+    ) -> Child:
+        argv = [sys.executable, "-m", "maskwire.cli", command, "--port", str(port)]
+        argv += ["--host", host, *extra]
+        where[name] = addr(port)
+        return Child(
+            name,
+            argv,
+            log_path=log_dir / f"{name}.log",
+            probe=probe,
+            echo=sys.stderr if show_logs else None,
+        )
+
+    grammar = [
+        child(
+            f"grammar-{i}" if args.grammar_replicas > 1 else "grammar",
+            "grammar-service",
+            port,
+            ["--tokenizer", args.model],
+            _grpc_probe(addr(port)),
+        )
+        for i, port in enumerate(ports.grammar)
+    ]
+    worker = child(
+        "worker",
+        "worker",
+        ports.worker,
+        [
+            "--model",
+            args.model,
+            "--device",
+            args.device,
+            "--grammar-service",
+            ",".join(addr(p) for p in ports.grammar),
+            *args.worker_arg,
+        ],
+        _grpc_probe(addr(ports.worker)),
+    )
+    gateway_url = f"http://{addr(ports.gateway)}"
+    gateway = child(
+        "gateway",
+        "gateway",
+        ports.gateway,
+        ["--worker", addr(ports.worker)],
+        lambda: http_healthy(f"{gateway_url}/health"),
+    )
+    tiers = [grammar, [worker], [gateway]]
+    everyone = [*grammar, worker, gateway]
+
+    signals = _Signals()
+    signals.install()
+    rc = 0
+    started_at = time.monotonic()
+    try:
+        _say(f"logs in {log_dir}/")
+        for tier in tiers:
+            for c in tier:
+                _say(f"starting {c.name} on {where[c.name]}")
+                c.start()
+            for c in tier:
+                t0 = time.monotonic()
+                if not c.wait_ready(args.startup_timeout, signals.stop.is_set):
+                    break
+                _say(f"{c.name} is healthy ({time.monotonic() - t0:.1f}s)")
+            if signals.stop.is_set():
+                break
+        if signals.stop.is_set():
+            _say(f"{signals.received} received during startup: stopping")
+        else:
+            _say(f"ready in {time.monotonic() - started_at:.1f}s")
+            _print_banner(
+                gateway_url, addr(ports.worker), [addr(p) for p in ports.grammar], log_dir
+            )
+            if args.demo:
+                from maskwire.demo import run_demo
+
+                rc = run_demo(gateway_url, stop=signals.stop)
+            else:
+                print("Press Ctrl-C to stop.", flush=True)
+                _supervise(everyone, signals)
+                _say(f"{signals.received} received: stopping gateway, worker, grammar service")
+    except ChildExited as e:
+        rc = 1
+        _report_death(e.child, log_dir)
+    except TimeoutError as e:
+        rc = 1
+        _say(str(e))
+        for c in everyone:
+            if c.running and c.log_path.exists():
+                _say(f"{c.name} log: {c.log_path}")
+    finally:
+        stop_in_order(
+            list(reversed(tiers)),
+            args.grace,
+            force=signals.force.is_set,
+            say=_say,
+        )
+        signals.restore()
+    unexpected = [
+        c for c in everyone if c.poll() not in (None, 0, -signal.SIGTERM) and not c.stopping
+    ]
+    for c in unexpected:
+        rc = 1
+        _report_death(c, log_dir)
+    _say("stopped" if rc == 0 else f"stopped (exit {rc}); logs in {log_dir}/")
+    return rc
+
+
+def _grpc_probe(address: str) -> Callable[[], bool]:
+    from maskwire.supervise import grpc_healthy
+
+    return lambda: grpc_healthy(address)
+
+
+def _supervise(children: list[Child], signals: _Signals) -> None:
+    """Block until a signal arrives; raise ChildExited as soon as any child dies."""
+    from maskwire.supervise import ChildExited
+
+    while not signals.stop.wait(0.2):
+        for c in children:
+            if not c.running:
+                raise ChildExited(c)
+
+
+def _report_death(c: Child, log_dir: Path) -> None:
+    _say(f"{c.name} (pid {c.pid}) died: {c.describe_exit()}. Its last log lines:")
+    for line in c.last_lines(20):
+        print(f"    {line}", file=sys.stderr)
+    _say(f"full log: {c.log_path}")
+
+
+def _print_banner(gateway_url: str, worker: str, grammar: list[str], log_dir: Path) -> None:
+    import json
+
+    from maskwire.demo import model_id
+
+    try:
+        model = model_id(gateway_url)
+    except Exception:  # the banner must not fail because /v1/models did
+        model = "default"
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "Name a colour."}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "colour",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"colour": {"type": "string"}},
+                        "required": ["colour"],
+                    },
+                },
+            },
+        }
+    )
+    lines = [
+        "",
+        "maskwire is up.",
+        f"  OpenAI-compatible REST  {gateway_url}/v1",
+        f"  worker (gRPC)           {worker}",
+        f"  grammar service (gRPC)  {', '.join(grammar)}",
+        f"  logs                    {log_dir}/",
+        "",
+        "Try:",
+        f"  curl -s {gateway_url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        f"       -d {shlex.quote(body)}",
+        f"  maskwire generate --worker {worker} --chat --choice yes --choice no 'Is the sky blue?'",
+        "",
+    ]
+    print("\n".join(lines), flush=True)
