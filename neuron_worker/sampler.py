@@ -1,0 +1,339 @@
+"""The worker's masked sampler: packed grammar masks + logits -> token ids, on the device.
+
+:func:`sample_tokens` is one pure function over static-shape tensors (no ``.item()``, no branching
+on tensor values, no data-dependent shapes): unpack the packed int32 mask rows, drop logits
+columns past the tokenizer vocabulary, mask disallowed tokens with ``-inf``, then greedy or
+temperature / top-k / top-p sampling with per-row parameters. :class:`Sampler` compiles it once per
+(graph kind, batch bucket) with ``torch.compile(fullgraph=True)``; the XLA backend traces the same
+function.
+
+Randomness is counter-based: each row draws one uniform number from a hash of
+``(seed, offset)`` and samples by inverse CDF, so a request's tokens depend only on its own
+logits, mask, parameters, seed and offset, never on the other rows of the batch, and no
+``torch.Generator`` lives inside the graph.
+
+A row whose mask allows no token (or whose allowed logits are all NaN / ``-inf``) yields
+:data:`NO_TOKEN` (``-1``) instead of a disallowed id; the engine must treat it as a grammar error
+for that request.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from neuron_worker.masks import (
+    compact_from_bytes,
+    mask_dest_index,
+    scatter_mask_rows,
+    unpack_mask,
+    words_per_row,
+)
+
+__all__ = [
+    "NO_TOKEN",
+    "Mode",
+    "Sampler",
+    "SamplingTensors",
+    "compact_from_bytes",
+    "mask_dest_index",
+    "row_uniform",
+    "sample_tokens",
+    "scatter_mask_rows",
+    "unpack_mask",
+    "words_per_row",
+]
+
+log = logging.getLogger(__name__)
+
+NO_TOKEN = -1
+"""Token id returned for a row with no allowed token (empty grammar mask)."""
+
+Mode = Literal["greedy", "sample", "filter"]
+"""Graph kinds: every row greedy; random sampling without top-k/top-p (no sort); general (one
+sort per row for top-k/top-p). Chosen per step on the host from :class:`SamplingTensors` flags."""
+
+MODES: tuple[Mode, ...] = ("greedy", "sample", "filter")
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters, all ``[N]`` on the sampler's device.
+
+    ``all_greedy`` / ``any_filter`` are host-side facts about the values (the sampler picks its
+    graph from them without reading the device); :meth:`build` sets them. Left at their defaults
+    the sampler uses the general graph, which is correct for any values.
+    """
+
+    temperature: Tensor  # float32 [N]; 0 = greedy
+    top_p: Tensor  # float32 [N]; 1 = off
+    top_k: Tensor  # int64 [N]; 0 = off
+    seed: Tensor  # int64 [N]; per-request seed
+    offset: Tensor  # int64 [N]; tokens sampled so far by the request (its random counter)
+    all_greedy: bool = False
+    any_filter: bool = True
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        temperature: Sequence[float],
+        top_p: Sequence[float],
+        top_k: Sequence[int],
+        seed: Sequence[int],
+        offset: Sequence[int],
+        n_rows: int,
+        device: torch.device | str = "cpu",
+    ) -> SamplingTensors:
+        """From per-row Python values, padded to ``n_rows`` with greedy rows; sets the flags."""
+        n = len(temperature)
+        if not (len(top_p) == len(top_k) == len(seed) == len(offset) == n) or n > n_rows:
+            raise ValueError("sampling parameter lists differ in length or exceed n_rows")
+        pad = n_rows - n
+        temps = [max(0.0, float(t)) for t in temperature]
+        tps = [float(p) if 0.0 < p < 1.0 else 1.0 for p in top_p]
+        tks = [max(0, int(k)) for k in top_k]
+        sampled = [i for i, t in enumerate(temps) if t > 0.0]
+        return cls(
+            temperature=torch.tensor(temps + [0.0] * pad, dtype=torch.float32, device=device),
+            top_p=torch.tensor(tps + [1.0] * pad, dtype=torch.float32, device=device),
+            top_k=torch.tensor(tks + [0] * pad, dtype=torch.int64, device=device),
+            # Seeds are reduced to 64 bits two's complement so any Python int is accepted.
+            seed=torch.tensor(
+                [_to_int64(int(s)) for s in seed] + [0] * pad, dtype=torch.int64, device=device
+            ),
+            offset=torch.tensor(
+                [int(o) for o in offset] + [0] * pad, dtype=torch.int64, device=device
+            ),
+            all_greedy=not sampled,
+            any_filter=any(tps[i] < 1.0 or tks[i] > 0 for i in sampled),
+        )
+
+    @property
+    def mode(self) -> Mode:
+        if self.all_greedy:
+            return "greedy"
+        return "filter" if self.any_filter else "sample"
+
+
+def _to_int64(value: int) -> int:
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """32-bit integer finaliser on int64 tensors holding values in [0, 2^32). The multipliers are
+    below 2^31 so no product overflows int64 (well defined on every backend)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _M32
+    return x ^ (x >> 16)
+
+
+def row_uniform(seed: Tensor, offset: Tensor) -> Tensor:
+    """One uniform float32 in (0, 1) per row from int64 ``(seed, offset)``: a pure hash, so the
+    stream of a request depends only on its own seed and counter."""
+    x = _mix32((offset & _M32) ^ 0x9E3779B9)
+    x = _mix32(x ^ ((offset >> 32) & _M32))
+    x = _mix32(x ^ ((seed >> 32) & _M32))
+    x = _mix32(x ^ (seed & _M32))
+    # 23 bits + 0.5 is exact in float32 and never 0 or 1.
+    return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def sample_tokens(
+    logits: Tensor,
+    packed_mask: Tensor | None,
+    temperature: Tensor,
+    top_p: Tensor,
+    top_k: Tensor,
+    seed: Tensor,
+    offset: Tensor,
+    *,
+    vocab_size: int,
+    mode: Mode = "filter",
+) -> Tensor:
+    """Masked sampling of one token per row; pure and static-shape.
+
+    ``logits``: float ``[N, L]``; ``packed_mask``: int32 ``[N, ceil(vocab_size / 32)]`` or None
+    (no masking); parameters ``[N]`` as in :class:`SamplingTensors`. Columns ``>= vocab_size`` are
+    never sampled. ``mode`` must cover the rows: ``"greedy"`` ignores the random parameters,
+    ``"sample"`` ignores top-k / top-p. Rows with ``temperature == 0`` are greedy in every mode.
+    Returns int64 ``[N]``; :data:`NO_TOKEN` for a row with no allowed token.
+    """
+    width = min(vocab_size, logits.shape[1])
+    x = logits[:, :width].float()
+    allowed: Tensor | None = None
+    if packed_mask is not None:
+        allowed = unpack_mask(packed_mask, width)
+        x = torch.where(allowed, x, float("-inf"))
+
+    tokens = x.argmax(dim=-1)
+    if mode != "greedy":
+        tokens = torch.where(
+            temperature > 0,
+            _sample_random(x, temperature, top_p, top_k, seed, offset, mode),
+            tokens,
+        )
+    if allowed is not None:
+        # Covers empty masks and rows whose allowed logits are all -inf / NaN: never return a
+        # disallowed id.
+        ok = allowed.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        tokens = torch.where(ok, tokens, NO_TOKEN)
+    return tokens
+
+
+def _sample_random(
+    x: Tensor,
+    temperature: Tensor,
+    top_p: Tensor,
+    top_k: Tensor,
+    seed: Tensor,
+    offset: Tensor,
+    mode: Mode,
+) -> Tensor:
+    """Inverse-CDF sampling from softmax(x / T) (after top-k / top-p in ``"filter"`` mode)."""
+    width = x.shape[1]
+    t = torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
+    peak = x.max(dim=-1, keepdim=True).values
+    # Unnormalised probabilities; masked columns are exactly 0.
+    weights = torch.exp((x - peak) / t)
+    u = row_uniform(seed, offset).unsqueeze(1)
+    cdf = weights.cumsum(dim=-1)
+    target = u * cdf[:, -1:]
+    # First column whose cdf reaches the target: zero-weight columns never qualify because
+    # target > 0 and their cdf equals the previous column's.
+    plain = (cdf < target).sum(dim=-1).clamp(max=width - 1)
+    if mode == "sample":
+        return plain
+
+    # Rows without top-k / top-p keep the unsorted draw, so a row's token never depends on
+    # whether another row of the batch made this step take the sorting graph.
+    sorted_w, order = weights.sort(dim=-1, descending=True)
+    sorted_cdf = sorted_w.cumsum(dim=-1)
+    total = sorted_cdf[:, -1:]
+    pos = torch.arange(width, device=x.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, width).unsqueeze(1)
+    # Top-p keeps the smallest prefix whose mass reaches p: a column stays while the mass before
+    # it is below p. The best column always stays.
+    keep = (pos < k) & ((sorted_cdf - sorted_w) < top_p.unsqueeze(1) * total) | (pos == 0)
+    kept_cdf = (sorted_w * keep).cumsum(dim=-1)
+    j = (kept_cdf < u * kept_cdf[:, -1:]).sum(dim=-1).clamp(max=width - 1)
+    filtered = order.gather(1, j.unsqueeze(1)).squeeze(1)
+    return torch.where((top_k > 0) | (top_p < 1), filtered, plain)
+
+
+SampleFn = Callable[..., Tensor]
+
+
+def _allow_graphs_per_function(count: int) -> None:
+    """Dynamo keeps every graph of one Python function in one cache whose size is capped (8 by
+    default); past the cap it silently falls back to eager. All sampler graphs (mode x bucket x
+    mask/no mask) are graphs of :func:`sample_tokens`, so raise the cap to cover them."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # renamed in torch 2.7
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), count + 8))
+            break
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * count + 64)
+
+
+class Sampler:
+    """Owns the sampler graphs of one device: one per (mode, batch bucket), compiled or eager.
+
+    With ``structured_outputs`` the graphs take a packed mask (all ones when nothing is
+    constrained), so the first constrained request never changes the graph; without it they take
+    none and ``packed_mask`` must be None.
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        logits_size: int,
+        max_rows: int,
+        device: torch.device | str,
+        structured_outputs: bool,
+        compile: bool,
+    ) -> None:
+        if vocab_size <= 0 or logits_size <= 0 or max_rows <= 0:
+            raise ValueError("vocab_size, logits_size and max_rows must be positive")
+        self.vocab_size = vocab_size
+        self.logits_size = logits_size
+        self.words = words_per_row(vocab_size)
+        self.max_rows = max_rows
+        self.device = torch.device(device)
+        self.structured_outputs = structured_outputs
+        self.compile = compile
+        self._fns: dict[Mode, SampleFn] = {}
+        if compile:
+            _allow_graphs_per_function(len(MODES) * max_rows)
+        for mode in MODES:
+            fn = functools.partial(sample_tokens, vocab_size=vocab_size, mode=mode)
+            self._fns[mode] = torch.compile(fn, fullgraph=True, dynamic=False) if compile else fn
+        self._warm: set[tuple[Mode, int]] = set()
+
+    def all_ones_mask(self, n_rows: int) -> Tensor:
+        """An unconstrained packed mask for ``n_rows`` rows on the sampler's device."""
+        return torch.full((n_rows, self.words), -1, dtype=torch.int32, device=self.device)
+
+    def __call__(
+        self, logits: Tensor, packed_mask: Tensor | None, params: SamplingTensors
+    ) -> Tensor:
+        """``logits`` float ``[N, logits_size]``; ``packed_mask`` int32 ``[N, W]`` in batch order,
+        required iff structured outputs are enabled; ``params`` ``[N]``. Returns int64 ``[N]``
+        (:data:`NO_TOKEN` for rows with no allowed token)."""
+        n = logits.shape[0]
+        if logits.dim() != 2 or logits.shape[1] != self.logits_size or n > self.max_rows:
+            raise ValueError(
+                f"logits must be [N <= {self.max_rows}, {self.logits_size}], got {tuple(logits.shape)}"
+            )
+        if self.structured_outputs:
+            if packed_mask is None:
+                raise ValueError("structured outputs are enabled: pass a mask (all ones if none)")
+            if packed_mask.shape != (n, self.words) or packed_mask.dtype != torch.int32:
+                raise ValueError(f"packed_mask must be int32 [{n}, {self.words}]")
+            packed_mask = packed_mask.contiguous()
+        elif packed_mask is not None:
+            raise ValueError("structured outputs are disabled: this sampler takes no mask")
+        # Normalise what the graph guards on (dtype, layout) so a caller's view never recompiles.
+        logits = logits.to(torch.float32).contiguous()
+        return self._fns[params.mode](
+            logits,
+            packed_mask,
+            params.temperature.to(torch.float32).contiguous(),
+            params.top_p.to(torch.float32).contiguous(),
+            params.top_k.to(torch.int64).contiguous(),
+            params.seed.to(torch.int64).contiguous(),
+            params.offset.to(torch.int64).contiguous(),
+        )
+
+    def warmup(self, buckets: Sequence[int]) -> None:
+        """Build every graph for each batch bucket (compiles when ``compile``)."""
+        for n in buckets:
+            if not 0 < n <= self.max_rows:
+                raise ValueError(f"bucket {n} outside [1, {self.max_rows}]")
+            logits = torch.zeros(n, self.logits_size, device=self.device)
+            mask = self.all_ones_mask(n) if self.structured_outputs else None
+            for mode in MODES:
+                params = SamplingTensors.build(
+                    temperature=[0.0 if mode == "greedy" else 1.0] * n,
+                    top_p=[0.5 if mode == "filter" else 1.0] * n,
+                    top_k=[0] * n,
+                    seed=[0] * n,
+                    offset=[0] * n,
+                    n_rows=n,
+                    device=self.device,
+                )
+                assert params.mode == mode
+                self(logits, mask, params)
+                self._warm.add((mode, n))
