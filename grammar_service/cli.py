@@ -1,0 +1,57 @@
+"""`maskwire grammar-service`: flags and startup (heavy imports happen inside `run`)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=50061, help="gRPC port (0 picks a free one)")
+    p.add_argument(
+        "--tokenizer",
+        action="append",
+        metavar="SPEC",
+        help="tokenizer to serve: `default` (embedded SmolLM2), a .gguf, a tokenizer.json, a HF "
+        "directory or a Mistral Tekken json; repeatable (requests pick one by fingerprint). "
+        "Default: `default`",
+    )
+    p.add_argument("--max-requests", type=int, default=4096, help="live requests, all streams")
+    p.add_argument(
+        "--max-schema-bytes", type=int, default=1 << 20, help="largest constraint text (bytes)"
+    )
+    p.add_argument("--compile-timeout-s", type=float, default=10.0, help="deadline per compile")
+    p.add_argument("--compile-cache-size", type=int, default=1024, help="compiled grammars kept")
+    p.add_argument("--compile-threads", type=int, default=2, help="compile thread pool size")
+    p.add_argument(
+        "--mask-threads", type=int, default=0, help="llguidance executor threads (0: its default)"
+    )
+    p.add_argument("--max-rows-per-step", type=int, default=4096, help="rows in one Step")
+    p.add_argument("--max-drafts-per-row", type=int, default=64, help="draft tokens per row")
+    p.add_argument(
+        "--max-message-bytes", type=int, default=64 * 1024 * 1024, help="gRPC message size limit"
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: disabled)"
+    )
+    p.add_argument(
+        "--drain-grace-s", type=float, default=5.0, help="on SIGTERM, time for in-flight work"
+    )
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING... (default INFO)")
+    g = p.add_argument_group("llguidance parser limits")
+    g.add_argument("--max-items-in-row", type=int, default=2000)
+    g.add_argument("--initial-lexer-fuel", type=int, default=1_000_000)
+    g.add_argument("--step-lexer-fuel", type=int, default=200_000)
+    g.add_argument("--step-max-items", type=int, default=50_000)
+    g.add_argument("--max-lexer-states", type=int, default=250_000)
+    g.add_argument("--max-grammar-size", type=int, default=500_000)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from grammar_service.server import main
+    from maskwire.logs import setup_logging
+
+    setup_logging(args.log_level)
+    return asyncio.run(main(args))

@@ -1,0 +1,388 @@
+"""Constraint -> llguidance grammar: translation, validation, limits and a compile pool with a deadline.
+
+Every error a client can cause becomes an `RpcError(INVALID_ARGUMENT)` whose `google.rpc.BadRequest`
+field violations name the constraint field and say what is wrong (llguidance's message, which
+carries the line/column or JSON pointer). Nothing here raises anything else for bad input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import llguidance
+
+from grammar_service.json_options import DEFAULT_ITEM_SEPARATOR, DEFAULT_KEY_SEPARATOR
+from grammar_service.json_options import forbid_additional_properties as _forbid
+from maskwire.rpc import RpcError
+from maskwire.tokenizer import Tokenizer
+from maskwire.v1 import common_pb2
+
+KINDS = ("json_schema", "regex", "lark", "gbnf", "choice", "json_object", "structural_tags")
+
+
+@dataclass(frozen=True)
+class ParserLimits:
+    """llguidance parser limits (see `llguidance.LLParserLimits`); flags of the CLI."""
+
+    max_items_in_row: int = 2000
+    initial_lexer_fuel: int = 1_000_000
+    step_lexer_fuel: int = 200_000
+    step_max_items: int = 50_000
+    max_lexer_states: int = 250_000
+    max_grammar_size: int = 500_000
+
+    def to_ll(self) -> llguidance.LLParserLimits:
+        # verbose_errors=False: errors name the problem without dumping parser state and grammar.
+        return llguidance.LLParserLimits(
+            max_items_in_row=self.max_items_in_row,
+            initial_lexer_fuel=self.initial_lexer_fuel,
+            step_lexer_fuel=self.step_lexer_fuel,
+            step_max_items=self.step_max_items,
+            max_lexer_states=self.max_lexer_states,
+            max_grammar_size=self.max_grammar_size,
+            verbose_errors=False,
+        )
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A validated grammar for one tokenizer; `template` is a fresh matcher that requests copy."""
+
+    grammar_id: str
+    grammar: str
+    tokenizer: Tokenizer
+    warnings: tuple[str, ...]
+    template: llguidance.LLMatcher
+    compile_ms: float
+
+    def new_matcher(self) -> llguidance.LLMatcher:
+        # deep_copy of a fresh matcher is ~1 µs; building one from the grammar string is ~50 µs+.
+        return self.template.deep_copy()
+
+
+def clean_error(message: str) -> str:
+    """llguidance error text without its non-verbose marker and trailing blank lines."""
+    return message.replace("<non-verbose/>", "").strip()
+
+
+def constraint_kind(constraint: common_pb2.Constraint) -> str:
+    kind = constraint.WhichOneof("kind")
+    if kind is None:
+        raise RpcError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "constraint has no kind set",
+            [("constraint", f"set exactly one of {', '.join(KINDS)}")],
+        )
+    return kind
+
+
+def constraint_size(constraint: common_pb2.Constraint) -> int:
+    """Bytes of user-supplied grammar text (what --max-schema-bytes limits)."""
+    kind = constraint.WhichOneof("kind")
+    if kind in ("json_schema", "regex", "lark", "gbnf"):
+        return len(getattr(constraint, kind).encode())
+    if kind == "choice":
+        return sum(len(c.encode()) for c in constraint.choice.choices)
+    if kind == "structural_tags":
+        st = constraint.structural_tags
+        return sum(len(t.begin) + len(t.end) + len(t.json_schema) for t in st.tags) + sum(
+            len(t) for t in st.triggers
+        )
+    return 0
+
+
+def grammar_key(constraint: common_pb2.Constraint, tokenizer: Tokenizer) -> str:
+    """Stable id of (constraint + options, tokenizer): the compile cache key and `grammar_id`."""
+    h = hashlib.sha256()
+    h.update(tokenizer.fingerprint.tokens_sha256)
+    h.update(constraint.SerializeToString(deterministic=True))
+    return h.hexdigest()[:32]
+
+
+def _bad(field: str, description: str, message: str = "") -> RpcError:
+    return RpcError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        message or f"invalid {field}: {description}",
+        [(field, description)],
+        reason="INVALID_CONSTRAINT",
+    )
+
+
+def _json_options(opts: common_pb2.JsonOptions) -> dict[str, Any]:
+    """Our JsonOptions as llguidance's `x-guidance` options."""
+    flexible = bool(opts.whitespace_flexible)
+    # Flexible whitespace already allows spaces around separators: default to the bare ones then.
+    item = opts.item_separator if opts.HasField("item_separator") else None
+    key = opts.key_separator if opts.HasField("key_separator") else None
+    if item is None:
+        item = "," if flexible else DEFAULT_ITEM_SEPARATOR
+    if key is None:
+        key = ":" if flexible else DEFAULT_KEY_SEPARATOR
+    return {
+        "whitespace_flexible": flexible,
+        "item_separator": item,
+        "key_separator": key,
+        "coerce_one_of": bool(opts.coerce_one_of),
+        "lenient": bool(opts.lenient),
+    }
+
+
+def _parse_json(text: str, field: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _bad(field, f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise _bad(field, "not valid JSON: nested too deeply") from None
+
+
+def _prepare_schema(value: Any, opts: common_pb2.JsonOptions, field: str) -> dict[str, Any] | bool:
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, dict):
+        raise _bad(
+            field, f"a JSON Schema must be an object or a boolean, got {type(value).__name__}"
+        )
+    if opts.additional_properties == common_pb2.ADDITIONAL_PROPERTIES_FORBID:
+        value = _forbid(copy.deepcopy(value))
+    return value
+
+
+def _json_grammar(schema: dict[str, Any] | bool, opts: common_pb2.JsonOptions) -> str:
+    # Our options are llguidance's *defaults*: a schema's own `x-guidance` keyword refines them.
+    return str(
+        llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema),
+            defaults=_json_options(opts),  # type: ignore[arg-type]
+        )
+    )
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)
+
+
+def _is_special_single_token(trigger: str, tokenizer: Tokenizer) -> bool:
+    ids = tokenizer.ll.tokenize_str(trigger, parse_special=True)
+    return len(ids) == 1 and bool(tokenizer.ll.is_special_token(ids[0]))
+
+
+def _structural_tags_grammar(
+    st: common_pb2.StructuralTags, opts: common_pb2.JsonOptions, tokenizer: Tokenizer
+) -> str:
+    if not st.tags:
+        raise _bad("constraint.structural_tags.tags", "at least one tag is required")
+    triggers = list(st.triggers)
+    for i, t in enumerate(triggers):
+        if not t:
+            raise _bad(f"constraint.structural_tags.triggers[{i}]", "a trigger must not be empty")
+    tags: list[llguidance.StructTag] = []
+    for i, tag in enumerate(st.tags):
+        field = f"constraint.structural_tags.tags[{i}]"
+        if not tag.begin:
+            raise _bad(f"{field}.begin", "must not be empty")
+        if triggers:
+            matching = [t for t in triggers if tag.begin.startswith(t)]
+            if not matching:
+                raise _bad(f"{field}.begin", f"{tag.begin!r} starts with none of the triggers")
+            trigger = max(matching, key=len)
+        else:
+            trigger = tag.begin  # no triggers given: each tag triggers on its own `begin`
+        if not tag.json_schema:
+            raise _bad(f"{field}.json_schema", "must not be empty")
+        schema = _prepare_schema(
+            _parse_json(tag.json_schema, f"{field}.json_schema"), opts, f"{field}.json_schema"
+        )
+        if isinstance(schema, dict):
+            schema = {
+                **schema,
+                "x-guidance": {**_json_options(opts), **schema.get("x-guidance", {})},
+            }
+        tags.append(
+            llguidance.StructTag(
+                trigger=trigger, begin=tag.begin, grammar=json.dumps(schema), end=tag.end
+            )
+        )
+    # `assume_special` writes a `<...>` trigger as a special-token reference: only correct when the
+    # trigger really is one special token of this tokenizer (SmolLM2's `<tool_call>` is not).
+    special = all(
+        _is_special_single_token(t.trigger, tokenizer) or not _looks_special(t.trigger)
+        for t in tags
+    )
+    return str(llguidance.StructTag.to_grammar(tags, assume_special=special))
+
+
+def _looks_special(trigger: str) -> bool:
+    return trigger.startswith("<") and trigger.endswith(">")
+
+
+def to_grammar(constraint: common_pb2.Constraint, tokenizer: Tokenizer) -> str:
+    """Translate a constraint into an llguidance grammar string (not yet validated)."""
+    kind = constraint_kind(constraint)
+    opts = constraint.json_options
+    if kind == "json_schema":
+        field = "constraint.json_schema"
+        if not constraint.json_schema.strip():
+            raise _bad(field, "must not be empty")
+        schema = _prepare_schema(_parse_json(constraint.json_schema, field), opts, field)
+        return _json_grammar(schema, opts)
+    if kind == "json_object":
+        if not constraint.json_object:
+            raise _bad("constraint.json_object", "must be true when set")
+        return _json_grammar({"type": "object"}, opts)
+    if kind == "regex":
+        return str(llguidance.LLMatcher.grammar_from_regex(constraint.regex))
+    if kind == "lark":
+        if not constraint.lark.strip():
+            raise _bad("constraint.lark", "must not be empty")
+        return str(llguidance.LLMatcher.grammar_from_lark(constraint.lark))
+    if kind == "gbnf":
+        if not constraint.gbnf.strip():
+            raise _bad("constraint.gbnf", "must not be empty")
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        try:
+            lark = any_to_lark(constraint.gbnf)
+        except Exception as e:  # the converter raises plain exceptions with a position in the text
+            raise _bad("constraint.gbnf", f"cannot convert GBNF: {e}") from None
+        return str(llguidance.LLMatcher.grammar_from_lark(lark))
+    if kind == "choice":
+        choices = list(constraint.choice.choices)
+        if not choices:
+            raise _bad("constraint.choice.choices", "at least one choice is required")
+        for i, c in enumerate(choices):
+            if not c:
+                raise _bad(f"constraint.choice.choices[{i}]", "a choice must not be empty")
+        lark = "start: " + " | ".join(_lark_string(c) for c in choices)
+        return str(llguidance.LLMatcher.grammar_from_lark(lark))
+    return _structural_tags_grammar(constraint.structural_tags, opts, tokenizer)
+
+
+def _error_field(kind: str) -> str:
+    return {
+        "choice": "constraint.choice.choices",
+        "structural_tags": "constraint.structural_tags",
+    }.get(kind, f"constraint.{kind}")
+
+
+def compile_constraint(
+    constraint: common_pb2.Constraint,
+    tokenizer: Tokenizer,
+    limits: ParserLimits,
+    grammar_id: str = "",
+) -> CompiledGrammar:
+    """Translate, validate and build the template matcher (blocking; run it in the compile pool)."""
+    t0 = time.perf_counter()
+    kind = constraint_kind(constraint)
+    grammar = to_grammar(constraint, tokenizer)
+    ll_limits = limits.to_ll()
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, tokenizer.ll, limits=ll_limits
+    )
+    if is_error:
+        detail = clean_error(messages[0] if messages else "invalid grammar")
+        unsupported = "Unimplemented keys" in detail or "not supported" in detail
+        raise RpcError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"invalid {_error_field(kind)}: {detail}",
+            [(_error_field(kind), detail)],
+            reason="UNSUPPORTED_CONSTRAINT" if unsupported else "INVALID_CONSTRAINT",
+        )
+    template = llguidance.LLMatcher(tokenizer.ll, grammar, log_level=0, limits=ll_limits)
+    if template.is_error():
+        detail = clean_error(template.get_error())
+        raise RpcError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"invalid {_error_field(kind)}: {detail}",
+            [(_error_field(kind), detail)],
+            reason="INVALID_CONSTRAINT",
+        )
+    return CompiledGrammar(
+        grammar_id=grammar_id or grammar_key(constraint, tokenizer),
+        grammar=grammar,
+        tokenizer=tokenizer,
+        warnings=tuple(clean_error(w) for w in messages),
+        template=template,
+        compile_ms=(time.perf_counter() - t0) * 1000.0,
+    )
+
+
+class Compiler:
+    """Runs compilations in a bounded thread pool with a per-compile deadline and size limit."""
+
+    def __init__(
+        self,
+        *,
+        limits: ParserLimits,
+        threads: int = 2,
+        timeout_s: float = 10.0,
+        max_schema_bytes: int = 1 << 20,
+    ) -> None:
+        self.limits = limits
+        self.timeout_s = timeout_s
+        self.max_schema_bytes = max_schema_bytes
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, threads), thread_name_prefix="compile"
+        )
+
+    def check_size(self, constraint: common_pb2.Constraint) -> None:
+        size = constraint_size(constraint)
+        if size > self.max_schema_bytes:
+            kind = constraint.WhichOneof("kind") or "constraint"
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"constraint is {size} bytes; this service accepts at most {self.max_schema_bytes}",
+                [
+                    (
+                        _error_field(kind),
+                        f"{size} bytes exceeds the limit of {self.max_schema_bytes}",
+                    )
+                ],
+                reason="CONSTRAINT_TOO_LARGE",
+            )
+
+    async def compile(
+        self, constraint: common_pb2.Constraint, tokenizer: Tokenizer, grammar_id: str = ""
+    ) -> CompiledGrammar:
+        """Compile off the event loop; DEADLINE_EXCEEDED after `timeout_s`."""
+        self.check_size(constraint)
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(
+            self._pool, compile_constraint, constraint, tokenizer, self.limits, grammar_id
+        )
+        try:
+            return await asyncio.wait_for(fut, self.timeout_s)
+        except TimeoutError:
+            # The worker thread cannot be interrupted; it finishes in the background and its
+            # result is dropped. The pool size bounds how many such runaways can pile up.
+            raise RpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"compiling the constraint took longer than {self.timeout_s:g}s",
+                [
+                    (
+                        _error_field(constraint.WhichOneof("kind") or ""),
+                        "grammar too complex to compile in time",
+                    )
+                ],
+                reason="COMPILE_TIMEOUT",
+            ) from None
+        except RpcError:
+            raise
+        except Exception as e:  # never let a library failure become a stack trace on the wire
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"cannot compile the constraint: {e}",
+                [(_error_field(constraint.WhichOneof("kind") or ""), str(e))],
+                reason="INVALID_CONSTRAINT",
+            ) from None
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,87 @@
+"""Assemble and run the grammar service from parsed CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from grammar_service.backend import LlgBackend
+from grammar_service.compile_cache import CompileCache
+from grammar_service.compiler import Compiler, ParserLimits
+from grammar_service.runtime import Limits, Runtime
+from grammar_service.servicer import GrammarServicer
+from maskwire.rpc import Server, start_metrics_server
+from maskwire.tokenizer import TokenizerLoadError, load_tokenizer
+from maskwire.v1 import grammar_pb2, grammar_pb2_grpc
+
+log = logging.getLogger("grammar_service")
+
+SERVICE_NAME = grammar_pb2.DESCRIPTOR.services_by_name["GrammarService"].full_name
+
+
+def build_runtime(args: argparse.Namespace) -> Runtime:
+    specs = args.tokenizer or ["default"]
+    tokenizers = []
+    for spec in specs:
+        t0 = time.perf_counter()
+        tok = load_tokenizer(spec)
+        fp = tok.fingerprint
+        log.info(
+            "tokenizer %s (%s) loaded in %.1fs: %s",
+            spec,
+            tok.name,
+            time.perf_counter() - t0,
+            fp.short(),
+        )
+        tokenizers.append(tok)
+    limits = ParserLimits(
+        max_items_in_row=args.max_items_in_row,
+        initial_lexer_fuel=args.initial_lexer_fuel,
+        step_lexer_fuel=args.step_lexer_fuel,
+        step_max_items=args.step_max_items,
+        max_lexer_states=args.max_lexer_states,
+        max_grammar_size=args.max_grammar_size,
+    )
+    compiler = Compiler(
+        limits=limits,
+        threads=args.compile_threads,
+        timeout_s=args.compile_timeout_s,
+        max_schema_bytes=args.max_schema_bytes,
+    )
+    return Runtime(
+        tokenizers=tokenizers,
+        compiler=compiler,
+        cache=CompileCache(args.compile_cache_size),
+        backend=LlgBackend(args.mask_threads or None),
+        limits=Limits(
+            max_requests=args.max_requests,
+            max_rows_per_step=args.max_rows_per_step,
+            max_drafts_per_row=args.max_drafts_per_row,
+        ),
+    )
+
+
+async def main(args: argparse.Namespace) -> int:
+    try:
+        runtime = build_runtime(args)
+    except TokenizerLoadError as e:
+        log.error("%s", e)
+        return 2
+    servicer = GrammarServicer(runtime)
+    server = Server(
+        host=args.host,
+        port=args.port,
+        service_names=[SERVICE_NAME],
+        register=lambda s: grammar_pb2_grpc.add_GrammarServiceServicer_to_server(servicer, s),
+        max_message_bytes=args.max_message_bytes,
+    )
+    start_metrics_server(args.metrics_port, args.host)
+    await server.start()
+    log.info("grammar service listening on %s:%d", args.host, server.port)
+    try:
+        await server.serve_until_signal(args.drain_grace_s, on_drain=servicer.drain)
+    finally:
+        runtime.compiler.shutdown()
+    log.info("grammar service stopped")
+    return 0

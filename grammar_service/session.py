@@ -1,0 +1,433 @@
+"""One Session stream's protocol state machine: Open / Step / Close (see docs/protocol.md).
+
+Pure: no gRPC here. Every per-request problem becomes data in `Opened.error` / `RowResult`; only
+misuse of this class raises. A stream's requests share one tokenizer (the first `Open` fixes it),
+so every row of a `StepResult` has the same width.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from google.rpc import status_pb2
+
+from grammar_service import metrics
+from grammar_service.backend import RequestGrammar
+from grammar_service.masks import MaskBuffer
+from grammar_service.reasoning import ReasoningGate
+from grammar_service.runtime import Runtime
+from maskwire.rpc import RpcError, status_proto
+from maskwire.tokenizer import Tokenizer
+from maskwire.v1 import grammar_pb2
+
+OK = grammar_pb2.ROW_STATUS_OK
+DESYNC = grammar_pb2.ROW_STATUS_DESYNC
+ERROR = grammar_pb2.ROW_STATUS_ERROR
+UNKNOWN = grammar_pb2.ROW_STATUS_UNKNOWN_REQUEST
+_STATUS_NAMES = {v: grammar_pb2.RowStatus.Name(v) for v in (OK, DESYNC, ERROR, UNKNOWN)}
+
+
+class Request:
+    """One live request: its grammar, token count and options."""
+
+    __slots__ = ("dead", "gate", "grammar", "jump_forward", "position", "request_id")
+
+    def __init__(
+        self,
+        request_id: str,
+        grammar: RequestGrammar,
+        jump_forward: bool,
+        gate: ReasoningGate | None,
+    ) -> None:
+        self.request_id = request_id
+        self.grammar = grammar
+        self.jump_forward = jump_forward
+        self.gate = gate
+        self.position = 0
+        self.dead: status_pb2.Status | None = None
+
+    @property
+    def constrained(self) -> bool:
+        return self.gate is None or self.gate.done
+
+
+def _row_error(message: str, reason: str) -> status_pb2.Status:
+    return status_proto(grpc.StatusCode.INVALID_ARGUMENT, message, reason=reason)
+
+
+class Session:
+    """The state of one stream. `handle` answers one SessionRequest."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.requests: dict[str, Request] = {}
+        self.tokenizer: Tokenizer | None = None
+        self._buffer: MaskBuffer | None = None
+
+    # -- dispatch ---------------------------------------------------------------------------
+    async def handle(self, msg: grammar_pb2.SessionRequest) -> grammar_pb2.SessionResponse:
+        kind = msg.WhichOneof("kind")
+        if kind == "step":
+            return grammar_pb2.SessionResponse(step_result=self.step(msg.step))
+        if kind == "open":
+            return grammar_pb2.SessionResponse(opened=await self.open(msg.open))
+        if kind == "close":
+            return grammar_pb2.SessionResponse(closed=self.close(msg.close))
+        raise RpcError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "empty SessionRequest: set open, step or close",
+            [("kind", "exactly one of open, step, close")],
+        )
+
+    # -- Open -------------------------------------------------------------------------------
+    async def open(self, msg: grammar_pb2.Open) -> grammar_pb2.Opened:
+        rid = msg.request_id
+        try:
+            position, warnings = await self._open(msg)
+        except RpcError as e:
+            return grammar_pb2.Opened(request_id=rid, error=e.to_status())
+        return grammar_pb2.Opened(request_id=rid, warnings=warnings, position=position)
+
+    async def _open(self, msg: grammar_pb2.Open) -> tuple[int, list[str]]:
+        rid = msg.request_id
+        if not rid:
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "request_id is required",
+                [("open.request_id", "must not be empty")],
+            )
+        if rid in self.requests:
+            raise RpcError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request {rid!r} is already open on this stream",
+                [("open.request_id", "duplicate of a live request")],
+                reason="DUPLICATE_REQUEST",
+            )
+        rt = self.runtime
+        tok = rt.tokenizer_for(msg.tokenizer, field="open.tokenizer", required=True)
+        if self.tokenizer is not None and tok is not self.tokenizer:
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this stream's requests use tokenizer {self.tokenizer.fingerprint.short()}; "
+                "open requests for another tokenizer on another stream",
+                [("open.tokenizer", "differs from the tokenizer of this stream's other requests")],
+                reason="TOKENIZER_MISMATCH",
+            )
+        rt.acquire_request()  # fail fast before compiling
+        try:
+            kind = msg.WhichOneof("grammar")
+            if kind == "constraint":
+                compiled, _ = await rt.compile(msg.constraint, tok)
+            elif kind == "grammar_id":
+                found = rt.cached(msg.grammar_id)
+                if found is None:
+                    raise RpcError(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"grammar_id {msg.grammar_id!r} is not in this service's compile cache "
+                        "(evicted, or compiled on another replica): open with the constraint",
+                        [("open.grammar_id", "unknown or evicted")],
+                        reason="GRAMMAR_NOT_FOUND",
+                    )
+                if found.tokenizer is not tok:
+                    raise RpcError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        "grammar_id was compiled for another tokenizer",
+                        [("open.grammar_id", "compiled for a different tokenizer")],
+                        reason="TOKENIZER_MISMATCH",
+                    )
+                compiled = found
+            else:
+                raise RpcError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "Open needs a constraint or a grammar_id",
+                    [("open.grammar", "set constraint or grammar_id")],
+                )
+            if rid in self.requests:  # re-check: another Open may have run during the compile
+                raise RpcError(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"request {rid!r} is already open on this stream",
+                    [("open.request_id", "duplicate of a live request")],
+                )
+            marker = msg.options.reasoning_end_marker.encode()
+            req = Request(
+                rid,
+                rt.backend.new_request(compiled),
+                bool(msg.options.jump_forward),
+                ReasoningGate(marker) if marker else None,
+            )
+            replay = list(msg.replay_tokens)
+            if replay:
+                self._replay(req, replay, tok)
+        except BaseException:
+            rt.release_requests(1)
+            raise
+        self.requests[rid] = req
+        if self.tokenizer is None:
+            self.tokenizer = tok
+            self._buffer = MaskBuffer(tok.words_per_row)
+        return req.position, list(compiled.warnings)
+
+    def _replay(self, req: Request, tokens: list[int], tok: Tokenizer) -> None:
+        vocab = tok.vocab_size
+        for i, t in enumerate(tokens):
+            if not 0 <= t < vocab:
+                raise RpcError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"replay token {t} at index {i} is out of range [0, {vocab})",
+                    [(f"open.replay_tokens[{i}]", "token id out of range")],
+                    reason="TOKEN_OUT_OF_RANGE",
+                )
+        skip = req.gate.feed(tokens, tok.token_bytes) if req.gate is not None else 0
+        rest = tokens[skip:]
+        if rest and not req.grammar.consume(rest):
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"replay tokens rejected by the grammar: {req.grammar.error()}",
+                [("open.replay_tokens", req.grammar.error())],
+                reason="REPLAY_REJECTED",
+            )
+        req.position = len(tokens)
+
+    # -- Close ------------------------------------------------------------------------------
+    def close(self, msg: grammar_pb2.Close) -> grammar_pb2.Closed:
+        found = self.requests.pop(msg.request_id, None) is not None
+        if found:
+            self.runtime.release_requests(1)
+        return grammar_pb2.Closed(request_id=msg.request_id, found=found)
+
+    def close_all(self) -> int:
+        """Free every request of the stream (it ended)."""
+        n = len(self.requests)
+        self.requests.clear()
+        if n:
+            self.runtime.release_requests(n)
+        return n
+
+    # -- Step -------------------------------------------------------------------------------
+    def step(self, msg: grammar_pb2.Step) -> grammar_pb2.StepResult:
+        t_start = time.perf_counter()
+        rows = msg.rows
+        n = len(rows)
+        tok = self.tokenizer
+        out = grammar_pb2.StepResult(step=msg.step)
+        if tok is None or self._buffer is None:
+            # Nothing was ever opened here: every row is unknown.
+            out.words_per_row = self.runtime.default_tokenizer.words_per_row
+            for row in rows:
+                out.rows.add(
+                    request_id=row.request_id,
+                    status=UNKNOWN,
+                    error=_unknown(row.request_id),
+                )
+            return out
+        if n > self.runtime.limits.max_rows_per_step:
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"Step has {n} rows; this service accepts at most "
+                f"{self.runtime.limits.max_rows_per_step} (--max-rows-per-step)",
+                [("step.rows", "too many rows")],
+            )
+        vocab = tok.vocab_size
+        requests = self.requests
+        backend = self.runtime.backend
+        max_drafts = self.runtime.limits.max_drafts_per_row
+
+        # Phase 1: check every row, feed reasoning gates, collect grammar tokens.
+        # state[i]: the Request when the row is OK so far, else None (result already decided).
+        state: list[Request | None] = [None] * n
+        status = [OK] * n
+        errors: list[status_pb2.Status | None] = [None] * n
+        expected = [0] * n
+        singles: list[tuple[RequestGrammar, int]] = []
+        single_idx: list[int] = []
+        seen: set[str] = set()
+        for i in range(n):
+            row = rows[i]
+            rid = row.request_id
+            req = requests.get(rid)
+            if req is None:
+                status[i] = UNKNOWN
+                errors[i] = _unknown(rid)
+                continue
+            if rid in seen:
+                status[i] = ERROR
+                errors[i] = _row_error(
+                    f"request {rid!r} appears more than once in step {msg.step}", "DUPLICATE_ROW"
+                )
+                continue
+            seen.add(rid)
+            if req.dead is not None:
+                status[i] = ERROR
+                errors[i] = req.dead
+                continue
+            new = row.new_tokens
+            k = len(new)
+            want = req.position + k
+            if row.position != want:
+                status[i] = DESYNC
+                expected[i] = want
+                continue
+            if k == 1:
+                t = new[0]
+                if not 0 <= t < vocab:
+                    self._kill(req, f"token {t} is out of range [0, {vocab})", "TOKEN_OUT_OF_RANGE")
+                    status[i] = ERROR
+                    errors[i] = req.dead
+                    continue
+            elif k > 1 and (min(new) < 0 or max(new) >= vocab):
+                bad = next(t for t in new if not 0 <= t < vocab)
+                self._kill(req, f"token {bad} is out of range [0, {vocab})", "TOKEN_OUT_OF_RANGE")
+                status[i] = ERROR
+                errors[i] = req.dead
+                continue
+            req.position = want
+            state[i] = req
+            if k == 0:
+                continue
+            gate = req.gate
+            if gate is not None and not gate.done:
+                skip = gate.feed(new, tok.token_bytes)
+                if skip == k:
+                    continue
+                grammar_tokens = list(new[skip:])
+            elif k == 1:
+                singles.append((req.grammar, new[0]))
+                single_idx.append(i)
+                continue
+            else:
+                grammar_tokens = list(new)
+            if not req.grammar.consume(grammar_tokens):
+                self._kill_by_grammar(req)
+                status[i] = ERROR
+                errors[i] = req.dead
+                state[i] = None
+
+        # Phase 2: the common case, one new token per row, in one batched call.
+        if singles:
+            oks = backend.consume_each(singles)
+            for j, ok in enumerate(oks):
+                if not ok:
+                    i = single_idx[j]
+                    req = state[i]
+                    assert req is not None
+                    self._kill_by_grammar(req)
+                    status[i] = ERROR
+                    errors[i] = req.dead
+                    state[i] = None
+
+        # Phase 3: jump-forward, drafts, mask slots.
+        ff: dict[int, list[int]] = {}
+        accepted = [0] * n
+        slots = [-1] * n
+        plain: list[tuple[RequestGrammar, int]] = []
+        drafted: list[tuple[RequestGrammar, int, list[int]]] = []
+        cursor = 0
+        for i in range(n):
+            req = state[i]
+            if req is None:
+                continue
+            drafts = rows[i].draft_tokens
+            if not req.constrained:
+                if drafts:
+                    accepted[i] = self._reasoning_drafts(req, list(drafts[:max_drafts]), tok)
+                continue
+            g = req.grammar
+            if req.jump_forward:
+                forced = g.ff_tokens()
+                if forced:
+                    if not g.consume(forced):
+                        self._kill_by_grammar(req)
+                        status[i] = ERROR
+                        errors[i] = req.dead
+                        state[i] = None
+                        continue
+                    req.position += len(forced)
+                    ff[i] = forced
+            if drafts:
+                d = [t for t in drafts[:max_drafts]]
+                cut = next((j for j, t in enumerate(d) if not 0 <= t < vocab), len(d))
+                a = g.validate_drafts(d[:cut]) if cut else 0
+                accepted[i] = a
+                if a:
+                    slots[i] = cursor
+                    drafted.append((g, cursor, d[:a]))
+                    cursor += 1 + a
+                    continue
+            slots[i] = cursor
+            plain.append((g, cursor))
+            cursor += 1
+
+        # Phase 4: fill every mask row of the step in one or two executor calls.
+        buf = self._buffer
+        if cursor:
+            buf.reserve(cursor)
+            t_fill = time.perf_counter()
+            backend.fill(plain, drafted, buf.ptr, buf.one_mask_bytes, buf.capacity)
+            metrics.MASK_SECONDS_PER_ROW.observe((time.perf_counter() - t_fill) / cursor)
+            out.bitmask = buf.tobytes(cursor)
+        out.words_per_row = buf.words_per_row
+
+        # Phase 5: the answer.
+        add = out.rows.add
+        for i in range(n):
+            row = rows[i]
+            st = status[i]
+            req = state[i]
+            if req is not None:
+                g = req.grammar
+                constrained = slots[i] >= 0
+                r = add(
+                    request_id=row.request_id,
+                    status=OK,
+                    mask_rows=1 + accepted[i] if constrained else 0,
+                    accepted_drafts=accepted[i],
+                    position=req.position,
+                    accepting=constrained and g.is_accepting(),
+                    finished=constrained and g.is_stopped(),
+                )
+                if i in ff:
+                    r.ff_tokens.extend(ff[i])
+            elif st == DESYNC:
+                real = requests[row.request_id]
+                add(
+                    request_id=row.request_id,
+                    status=DESYNC,
+                    position=real.position,
+                    expected_position=expected[i],
+                )
+            else:
+                real_req = requests.get(row.request_id)
+                add(
+                    request_id=row.request_id,
+                    status=st,
+                    position=real_req.position if real_req is not None else 0,
+                    error=errors[i],
+                )
+        metrics.ROWS_PER_STEP.observe(n)
+        metrics.STEP_SECONDS.observe(time.perf_counter() - t_start)
+        return out
+
+    def _reasoning_drafts(self, req: Request, drafts: list[int], tok: Tokenizer) -> int:
+        """Unconstrained drafts are all acceptable, up to (not including) the one that would end
+        the reasoning part: the position after it needs a constrained mask row."""
+        vocab = tok.vocab_size
+        cut = next((j for j, t in enumerate(drafts) if not 0 <= t < vocab), len(drafts))
+        assert req.gate is not None
+        end = req.gate.would_end(drafts[:cut], tok.token_bytes)
+        return cut if end is None else end
+
+    def _kill(self, req: Request, message: str, reason: str) -> None:
+        req.dead = _row_error(message, reason)
+
+    def _kill_by_grammar(self, req: Request) -> None:
+        err = req.grammar.error() or "the grammar rejected the token"
+        req.dead = _row_error(err, "TOKEN_REJECTED")
+
+
+def _unknown(rid: str) -> status_pb2.Status:
+    return status_proto(
+        grpc.StatusCode.NOT_FOUND,
+        f"no live request {rid!r} on this stream",
+        reason="UNKNOWN_REQUEST",
+    )
