@@ -30,6 +30,9 @@ DEFAULT_GATEWAY_PORT = 8000
 DEFAULT_WORKER_PORT = 50052
 DEFAULT_GRAMMAR_PORT = 50051
 
+SERVICE_COMMAND: list[str] = [sys.executable, "-m", "maskwire.cli"]
+"""How children are started: `SERVICE_COMMAND + [command, --port, P, --host, H, ...]`."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -219,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     def child(
         name: str, command: str, port: int, extra: list[str], probe: Callable[[], bool]
     ) -> Child:
-        argv = [sys.executable, "-m", "maskwire.cli", command, "--port", str(port)]
+        argv = [*SERVICE_COMMAND, command, "--port", str(port)]
         argv += ["--host", host, *extra]
         where[name] = addr(port)
         return Child(
