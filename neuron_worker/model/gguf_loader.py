@@ -8,13 +8,13 @@ adjacent-pair RoPE; we undo that here so the model only knows the Hugging Face r
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
+from maskwire.gguf_file import GGUFFile
 from neuron_worker.model.config import ModelConfig, ModelLoadError, config_from_gguf
 
 # GGUF tensor name (after `blk.{i}.`) -> canonical name (after `layers.{i}.`).
@@ -63,42 +63,36 @@ def _canonical_name(name: str) -> str | None:
 
 def load_gguf(path: Path, name: str) -> tuple[ModelConfig, dict[str, Tensor]]:
     """Read a GGUF file: (config, canonical fp32 weights on CPU)."""
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as e:
+        gf = GGUFFile(path)
+    except (ValueError, OSError, KeyError, struct.error) as e:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
-    fields: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            try:
-                fields[key] = field.contents()
-            except Exception:  # exotic metadata we do not need
-                continue
 
     tensors: dict[str, Tensor] = {}
     rope_freqs: Tensor | None = None
-    for t in reader.tensors:
-        data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        tensor = torch.from_numpy(data.copy())
-        if t.name == "rope_freqs.weight":
-            rope_freqs = tensor.flatten()
-            continue
+    for t in gf.tensors.values():
         canonical = _canonical_name(t.name)
-        if canonical is not None:
+        if canonical is None and t.name != "rope_freqs.weight":
+            continue
+        try:
+            tensor = torch.from_numpy(t.dequantize())
+        except NotImplementedError as e:
+            raise ModelLoadError(f"{path}: tensor {t.name}: {e}") from e
+        if canonical is None:
+            rope_freqs = tensor.flatten()
+        else:
             tensors[canonical] = tensor
 
     if "tok_embeddings.weight" not in tensors:
         raise ModelLoadError(f"{path}: no token_embd.weight tensor")
     config = config_from_gguf(
-        fields,
+        gf.metadata,
         name,
         vocab_size=int(tensors["tok_embeddings.weight"].shape[0]),
         tie_embeddings="output.weight" not in tensors,
         rope_freq_factors=None if rope_freqs is None else tuple(rope_freqs.tolist()),
     )
-    if fields.get("general.architecture") == "llama":
+    if gf.metadata.get("general.architecture") == "llama":
         for i in range(config.n_layers):
             for key, heads in (("wq", config.n_heads), ("wk", config.n_kv_heads)):
                 full = f"layers.{i}.attention.{key}.weight"

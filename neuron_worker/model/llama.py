@@ -54,8 +54,12 @@ class KVCache(nn.Module):
     ) -> None:
         super().__init__()
         shape = (max_batch, n_kv_heads, max_seq + 1, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer(
+            "k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False
+        )
 
     def update(self, slots: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
         """slots, pos: int64 [B, T]; k, v: [B, T, n_kv_heads, head_dim]."""
