@@ -1,0 +1,176 @@
+"""Assemble and run a worker process: tokenizer, backend, model, sampler, grammar client, engine,
+gRPC server, metrics, discovery and graceful drain."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import torch
+
+from maskwire.discovery import Resolver
+from maskwire.rpc import Server, start_metrics_server
+from maskwire.tokenizer import load_tokenizer
+from maskwire.v1 import worker_pb2, worker_pb2_grpc
+from neuron_worker.backends import create_backend
+from neuron_worker.engine import Engine, EngineConfig
+from neuron_worker.grammar_client import GrammarClient
+from neuron_worker.metrics import Metrics
+from neuron_worker.scheduler import parse_buckets, pow2_buckets
+from neuron_worker.servicer import WorkerServicer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+def engine_config(args: argparse.Namespace, model_max_seq: int) -> EngineConfig:
+    """EngineConfig from the CLI flags (limits checked, buckets resolved)."""
+    if args.max_batch_size < 1:
+        raise SystemExit("--max-batch-size must be >= 1")
+    if args.max_queue < 0:
+        raise SystemExit("--max-queue must be >= 0")
+    max_seq = min(args.max_seq_len, model_max_seq)
+    if max_seq < 2:
+        raise SystemExit("--max-seq-len must be >= 2")
+    if args.max_seq_len > model_max_seq:
+        log.warning(
+            "--max-seq-len %d exceeds the model's %d; using %d",
+            args.max_seq_len,
+            model_max_seq,
+            max_seq,
+        )
+    return EngineConfig(
+        max_batch=args.max_batch_size,
+        max_seq_len=max_seq,
+        max_queue=args.max_queue,
+        batch_buckets=tuple(parse_buckets(args.batch_buckets, args.max_batch_size, 1)),
+        seq_buckets=tuple(
+            parse_buckets(args.seq_buckets, max_seq, 128)
+            if args.seq_buckets
+            else pow2_buckets(min(128, max_seq), max_seq)
+        ),
+        max_prefill_tokens=args.max_prefill_tokens,
+        structured_outputs=args.structured_outputs,
+        overlap=args.overlap,
+        jump_forward=args.jump_forward,
+    )
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from neuron_worker.masks import scatter_mask_rows
+    from neuron_worker.model import load_model
+    from neuron_worker.sampler import Sampler, SamplingTensors
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    began = time.perf_counter()
+    tokenizer = load_tokenizer(args.model)
+    backend = create_backend(args.device, compile=args.compile)
+    model = load_model(args.model, device=backend.device, dtype=_DTYPES[args.dtype])
+    model.eval()
+    config = engine_config(args, int(model.config.max_seq_len))
+    model_name = str(model.config.name)
+    forward = backend.compile(model, name="forward")
+    sampler = Sampler(
+        vocab_size=tokenizer.vocab_size,
+        logits_size=int(model.config.vocab_size),
+        max_rows=config.batch_buckets[-1],
+        device=backend.device,
+        structured_outputs=config.structured_outputs,
+        compile=backend.compile_enabled,
+    )
+    if backend.compile_enabled:
+        log.info("warming up the sampler for batch buckets %s", list(config.batch_buckets))
+        sampler.warmup(config.batch_buckets)
+
+    grammar: GrammarClient | None = None
+    resolver: Resolver | None = None
+    if config.structured_outputs:
+        grammar = GrammarClient(
+            [],
+            tokenizer.fingerprint.to_proto(),
+            words_per_row=tokenizer.words_per_row,
+            step_timeout_s=args.grammar_timeout_s,
+            open_timeout_s=args.grammar_open_timeout_s,
+        )
+        client = grammar
+        resolver = Resolver(
+            args.grammar_service,
+            refresh_s=args.grammar_dns_refresh_s,
+            on_change=lambda ch: client.update_replicas(sorted(ch.added), sorted(ch.removed)),
+        )
+        await resolver.start()
+
+    metrics = Metrics()
+    engine = Engine(
+        model=_CompiledForward(model, forward),
+        tokenizer=tokenizer,
+        backend=backend,
+        sampler=sampler,
+        sampling_tensors=SamplingTensors.build,
+        scatter_mask_rows=scatter_mask_rows,
+        grammar=grammar,
+        config=config,
+        metrics=metrics,
+    )
+    await engine.start()
+    servicer = WorkerServicer(
+        engine,
+        tokenizer,
+        model_name=model_name,
+        device=args.device,
+        max_prompt_tokens=args.max_prompt_tokens or config.max_seq_len - 1,
+    )
+    server = Server(
+        host=args.host,
+        port=args.port,
+        service_names=[WORKER_SERVICE],
+        register=lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
+    )
+    start_metrics_server(args.metrics_port, args.host)
+    await server.start()
+    log.info(
+        "worker serving %s on %s:%d (%s, structured outputs %s, batch %d, context %d) in %.1fs",
+        model_name,
+        args.host,
+        server.port,
+        backend.describe(),
+        "on" if config.structured_outputs else "off",
+        config.max_batch,
+        config.max_seq_len,
+        time.perf_counter() - began,
+    )
+
+    def on_drain() -> None:
+        engine.draining = True
+
+    try:
+        await server.serve_until_signal(args.drain_grace_s, on_drain=on_drain)
+    finally:
+        await engine.stop()
+        if resolver is not None:
+            await resolver.stop()
+    return 0
+
+
+class _CompiledForward:
+    """The model with its forward replaced by the backend's compiled version."""
+
+    def __init__(self, model: torch.nn.Module, forward: object) -> None:
+        self.config = model.config
+        self._model = model
+        self._forward = forward
+
+    def setup_caches(self, max_batch: int, max_seq: int) -> None:
+        self._model.setup_caches(max_batch, max_seq)  # type: ignore[operator]
+
+    def __call__(
+        self, tokens: torch.Tensor, input_pos: torch.Tensor, cache_slots: torch.Tensor, kv_len: int
+    ) -> torch.Tensor:
+        return self._forward(tokens, input_pos, cache_slots, kv_len)  # type: ignore[operator]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._model.logits(hidden)  # type: ignore[operator]

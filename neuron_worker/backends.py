@@ -1,0 +1,120 @@
+"""Device backends for `--device cpu|cuda|xla`: where tensors live, how graphs compile, how to sync.
+
+Everything device-specific in the engine goes through a `Backend`, so the step loop reads the same
+on every device. XLA (torch_xla, and through its PJRT plugin AWS NeuronCores) is imported only
+when asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEVICES = ("cpu", "cuda", "xla")
+
+
+class BackendError(RuntimeError):
+    """The requested device is not usable here."""
+
+
+class Backend:
+    """A device plus its compile and synchronisation rules."""
+
+    name = "cpu"
+
+    def __init__(self, *, compile: bool = False) -> None:
+        self.compile_enabled = compile
+        self.device = torch.device("cpu")
+
+    def compile(self, fn: F, *, name: str = "") -> F:
+        """Compile `fn` for this device when compiling is on (static shapes: one graph per bucket)."""
+        if not self.compile_enabled:
+            return fn
+        log.info("compiling %s with torch.compile", name or getattr(fn, "__name__", "fn"))
+        return torch.compile(fn, dynamic=False)  # type: ignore[return-value]
+
+    def sync(self) -> None:
+        """Wait until queued device work is done (timing and host reads)."""
+
+    def mark_step(self) -> None:
+        """End of a lazily traced graph (XLA); nothing to do on eager devices."""
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host -> device copy (no-op on CPU)."""
+        return t if t.device == self.device else t.to(self.device, non_blocking=True)
+
+    def describe(self) -> str:
+        return self.name
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, *, compile: bool = False) -> None:
+        if not torch.cuda.is_available():
+            raise BackendError("--device cuda: no CUDA device is visible to torch")
+        super().__init__(compile=compile)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device == self.device:
+            return t
+        if t.device.type == "cpu" and not t.is_pinned():
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def sync(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def describe(self) -> str:
+        return f"cuda ({torch.cuda.get_device_name(self.device)})"
+
+
+class XlaBackend(Backend):
+    """torch_xla: graphs are traced lazily and cut at `mark_step`; compile = the XLA compiler."""
+
+    name = "xla"
+
+    def __init__(self, *, compile: bool = False) -> None:
+        try:
+            import torch_xla
+        except ImportError as e:
+            raise BackendError(
+                "--device xla needs torch_xla (and torch-neuronx with PJRT_DEVICE=NEURON on AWS "
+                "Trainium/Inferentia)"
+            ) from e
+        super().__init__(compile=compile)
+        self._xla = torch_xla
+        self.device = torch_xla.device()
+
+    def compile(self, fn: F, *, name: str = "") -> F:
+        # XLA compiles every traced graph already; torch.compile's openxla backend is optional.
+        if not self.compile_enabled:
+            return fn
+        return torch.compile(fn, backend="openxla", dynamic=False)  # type: ignore[return-value]
+
+    def mark_step(self) -> None:
+        self._xla.sync()
+
+    def sync(self) -> None:
+        self._xla.sync(wait=True)
+
+
+def create_backend(device: str, *, compile: bool | None = None) -> Backend:
+    """The backend for `--device`; `compile=None` picks the device's default (on for cuda)."""
+    if device not in DEVICES:
+        raise BackendError(f"unknown device {device!r}; expected one of {', '.join(DEVICES)}")
+    if compile is None:
+        compile = device == "cuda"
+    if device == "cuda":
+        return CudaBackend(compile=compile)
+    if device == "xla":
+        return XlaBackend(compile=compile)
+    return Backend(compile=compile)

@@ -1,0 +1,123 @@
+"""`maskwire worker`: flags and startup (torch and the model are imported inside `run`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from maskwire.discovery import add_refresh_argument
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
+    p.add_argument(
+        "--model",
+        default="default",
+        metavar="SPEC",
+        help="`default` (embedded SmolLM2), a .gguf file or a HF checkpoint directory",
+    )
+    p.add_argument(
+        "--grammar-service",
+        default="",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="grammar-service replicas (or dns:///NAME:PORT for every address behind a name); "
+        "required unless --disable-structured-outputs",
+    )
+    add_refresh_argument(p)
+    p.add_argument("--device", choices=("cpu", "cuda", "xla"), default="cpu")
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="model dtype"
+    )
+    so = p.add_mutually_exclusive_group()
+    so.add_argument(
+        "--enable-structured-outputs",
+        dest="structured_outputs",
+        action="store_true",
+        default=True,
+        help="accept constrained requests; the sampler always takes a mask (default)",
+    )
+    so.add_argument(
+        "--disable-structured-outputs",
+        dest="structured_outputs",
+        action="store_false",
+        help="no grammar service, no mask input; constrained requests fail FAILED_PRECONDITION",
+    )
+    p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
+    p.add_argument(
+        "--max-seq-len", type=int, default=2048, help="context per request (prompt + output)"
+    )
+    p.add_argument(
+        "--max-queue", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED"
+    )
+    p.add_argument(
+        "--max-prompt-tokens", type=int, default=0, help="longest prompt (0: --max-seq-len - 1)"
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=4096,
+        help="padded tokens in one prefill batch (admission budget)",
+    )
+    p.add_argument(
+        "--batch-buckets", default="", help="comma-separated batch sizes (default 1,2,4,...,max)"
+    )
+    p.add_argument(
+        "--seq-buckets", default="", help="comma-separated KV lengths (default 128,256,...,max)"
+    )
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the forward and the sampler (default: on for cuda, off otherwise)",
+    )
+    p.add_argument(
+        "--jump-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run grammar-forced tokens through the model in one pass (default on)",
+    )
+    p.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="overlap the grammar round trip with the forward pass (default on)",
+    )
+    p.add_argument(
+        "--grammar-timeout-s",
+        type=float,
+        default=5.0,
+        help="per-step deadline for grammar answers; past it the affected requests fail",
+    )
+    p.add_argument(
+        "--grammar-open-timeout-s",
+        type=float,
+        default=30.0,
+        help="deadline for opening a request on the grammar service (includes compiling)",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: disabled)"
+    )
+    p.add_argument(
+        "--drain-grace-s", type=float, default=10.0, help="on SIGTERM, time for in-flight requests"
+    )
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING... (default INFO)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from maskwire.logs import setup_logging
+
+    setup_logging(args.log_level)
+    if args.structured_outputs and not args.grammar_service:
+        print(
+            "maskwire worker: --grammar-service HOST:PORT is required with structured outputs "
+            "enabled (or pass --disable-structured-outputs)",
+            file=sys.stderr,
+        )
+        return 2
+    from neuron_worker.app import serve
+
+    return asyncio.run(serve(args))

@@ -1,0 +1,578 @@
+"""The step loop: continuous batching with the grammar round trip hidden behind the forward pass.
+
+One decode step, for the running requests (each holds the token it sampled last, `pending`):
+
+    send Step(pending tokens) to the grammar replicas     (asyncio, event loop)
+    forward(pending tokens) on the device                 (device thread, overlaps the round trip)
+    await the masks                                       (only now)
+    jump-forward rows: forward(ff tokens) in one pass     (T > 1 rows)
+    reorder + unpack + mask + sample                      (device thread, compiled sampler)
+    append, detokenize, stop checks, stream deltas        (event loop)
+
+New requests join between steps: their grammar answers its first Step before the prefill, so the
+prompt and the grammar's initial forced tokens go through the model in one prefill pass. Requests
+leave between steps (EOS, grammar end, stop string, length, abort, error), freeing their KV slot
+and grammar state. All device work runs on one dedicated thread, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import grpc
+import numpy as np
+import torch
+from torch import Tensor
+
+from maskwire.rpc import RpcError
+from maskwire.tokenizer import Tokenizer
+from maskwire.v1 import grammar_pb2, worker_pb2
+from neuron_worker.backends import Backend
+from neuron_worker.grammar_client import GrammarClient, GrammarRequest, RowOutcome
+from neuron_worker.metrics import Metrics
+from neuron_worker.request import Request, State
+from neuron_worker.scheduler import Scheduler, decode_len, prefill_len
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+FR = worker_pb2.FinishReason
+
+
+class ModelLike(Protocol):
+    """What the engine needs of a model (neuron_worker.model.Transformer, or a bench stand-in)."""
+
+    config: Any  # .vocab_size (logits dimension), .max_seq_len, .name
+
+    def setup_caches(self, max_batch: int, max_seq: int) -> None: ...
+
+    def __call__(
+        self, tokens: Tensor, input_pos: Tensor, cache_slots: Tensor, kv_len: int
+    ) -> Tensor: ...
+
+    def logits(self, hidden: Tensor) -> Tensor: ...
+
+
+class SamplerLike(Protocol):
+    def __call__(self, logits: Tensor, packed_mask: Tensor | None, params: Any) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits and switches (each one a CLI flag)."""
+
+    max_batch: int = 8
+    max_seq_len: int = 2048
+    max_queue: int = 256
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
+    seq_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    max_prefill_tokens: int = 4096
+    structured_outputs: bool = True
+    overlap: bool = True
+    jump_forward: bool = True
+
+
+@dataclass
+class _Row:
+    """One request's slice of a forward pass: tokens to write starting at `start`."""
+
+    req: Request
+    tokens: list[int]
+    start: int
+
+
+class Engine:
+    """Owns the scheduler, the device thread and the step loop."""
+
+    def __init__(
+        self,
+        *,
+        model: ModelLike,
+        tokenizer: Tokenizer,
+        backend: Backend,
+        sampler: SamplerLike,
+        sampling_tensors: Callable[..., Any],
+        scatter_mask_rows: Callable[[Tensor, Tensor, int], Tensor],
+        grammar: GrammarClient | None,
+        config: EngineConfig,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.sampler = sampler
+        self._sampling_tensors = sampling_tensors
+        self._scatter = scatter_mask_rows
+        self.grammar = grammar
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.scheduler = Scheduler(
+            max_batch=config.max_batch,
+            max_queue=config.max_queue,
+            max_seq_len=config.max_seq_len,
+            batch_buckets=config.batch_buckets,
+            seq_buckets=config.seq_buckets,
+            max_prefill_tokens=config.max_prefill_tokens,
+        )
+        self.requests: dict[str, Request] = {}
+        self.eos_ids = tuple(tokenizer.eos_token_ids)
+        self.vocab_size = tokenizer.vocab_size
+        self.words = tokenizer.words_per_row
+        self.logits_size = int(model.config.vocab_size)
+        # One extra cache slot that padding rows point at, so they can never touch a live slot.
+        self.pad_slot = config.max_batch
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maskwire-device")
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.draining = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Allocate the KV cache and start the loop."""
+        await self._on_device(
+            lambda: self.model.setup_caches(self.config.max_batch + 1, self.config.max_seq_len)
+        )
+        self._task = asyncio.create_task(self._loop(), name="maskwire-engine")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        for req in list(self.requests.values()):
+            self._finish(req, FR.FINISH_REASON_ABORT, error="worker shutting down")
+        if self.grammar is not None:
+            await self.grammar.aclose()
+        self._device.shutdown(wait=True)
+
+    async def _on_device(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._device, fn)
+
+    # ------------------------------------------------------------------ requests in and out
+    async def submit(self, req: Request) -> list[str]:
+        """Queue a validated request (opening its grammar first). Returns grammar warnings.
+
+        Raises RpcError: RESOURCE_EXHAUSTED (queue full), ALREADY_EXISTS (live id), the grammar
+        service's compile errors, UNAVAILABLE (no grammar replica), FAILED_PRECONDITION.
+        """
+        if self.draining:
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+        if req.request_id in self.requests:
+            raise RpcError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {req.request_id!r} is already live on this worker",
+                [("request_id", "must be unique among live requests")],
+            )
+        self._check_queue()
+        warnings: list[str] = []
+        if req.constraint is not None:
+            if not self.config.structured_outputs or self.grammar is None:
+                raise RpcError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "this worker was started with --disable-structured-outputs; restart it with "
+                    "--enable-structured-outputs (and --grammar-service HOST:PORT) to use constraints",
+                    [("constraint", "structured outputs are disabled on this worker")],
+                    reason="STRUCTURED_OUTPUTS_DISABLED",
+                )
+            req.grammar = GrammarRequest(
+                request_id=req.request_id,
+                constraint=req.constraint,
+                options=grammar_pb2.RequestOptions(
+                    reasoning_end_marker=req.reasoning_end_marker,
+                    jump_forward=self.config.jump_forward,
+                ),
+            )
+            self.requests[req.request_id] = req  # reserve the id while the grammar compiles
+            try:
+                warnings = await self.grammar.open(req.grammar)
+                self._check_queue()
+            except BaseException:
+                self.requests.pop(req.request_id, None)
+                self.grammar.close(req.grammar)
+                raise
+        self.scheduler.enqueue(req)
+        self.requests[req.request_id] = req
+        self.metrics.queue(self.scheduler.queue_depth, len(self.scheduler.running))
+        self._wake.set()
+        return warnings
+
+    def _check_queue(self) -> None:
+        if self.scheduler.queue_depth >= self.config.max_queue:
+            raise RpcError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the worker's queue is full ({self.config.max_queue} waiting requests); retry later",
+                reason="QUEUE_FULL",
+            )
+
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Stop a request: at once if it is waiting, at the next step boundary if running."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        if req.state is State.WAITING:
+            self._finish(req, FR.FINISH_REASON_ABORT, error=reason)
+        else:
+            req.abort_reason = reason
+            self._wake.set()
+        return True
+
+    def _finish(
+        self,
+        req: Request,
+        reason: int,
+        *,
+        stop_string: str = "",
+        error: str = "",
+        status: RpcError | None = None,
+    ) -> None:
+        if req.finished:
+            return
+        self.scheduler.release(req)
+        req.pending = None
+        if req.grammar is not None and self.grammar is not None:
+            self.grammar.close(req.grammar)
+        if self.requests.get(req.request_id) is req:
+            del self.requests[req.request_id]
+        if status is not None:
+            req.outputs.put_nowait(status)
+        else:
+            req.outputs.put_nowait(req.final_message(reason, stop_string=stop_string, error=error))
+        self.metrics.finished(
+            FR.Name(reason).removeprefix("FINISH_REASON_").lower(), req.constrained
+        )
+
+    # ------------------------------------------------------------------ the loop
+    async def _loop(self) -> None:
+        while not self._stopping:
+            try:
+                self._reap_aborted()
+                admitted = self.scheduler.admit()
+                if admitted:
+                    await self._prefill(admitted)
+                batch = [r for r in self.scheduler.running if r.pending is not None]
+                if batch:
+                    await self._decode(batch)
+                self._flush_outputs()
+                self.metrics.queue(self.scheduler.queue_depth, len(self.scheduler.running))
+                if not batch and not self.scheduler.waiting:
+                    self._wake.clear()
+                    if not any(r.abort_reason for r in self.scheduler.running):
+                        await self._wake.wait()
+            except Exception as e:  # never let one bad step kill the worker
+                log.exception("engine step failed; failing the running requests")
+                for req in list(self.scheduler.running):
+                    self._finish(req, FR.FINISH_REASON_ERROR, error=f"internal error: {e}")
+
+    def _reap_aborted(self) -> None:
+        for req in list(self.scheduler.running):
+            if req.abort_reason is not None:
+                self._finish(req, FR.FINISH_REASON_ABORT, error=req.abort_reason)
+
+    def _flush_outputs(self) -> None:
+        for req in self.scheduler.running:
+            msg = req.flush_message()
+            if msg is not None:
+                req.outputs.put_nowait(msg)
+
+    # ------------------------------------------------------------------ prefill
+    async def _prefill(self, reqs: list[Request]) -> None:
+        """Grammar first step, then one forward over prompt + forced tokens, then sample."""
+        started = time.perf_counter()
+        constrained = [r for r in reqs if r.grammar is not None]
+        outcomes: dict[Request, RowOutcome] = {}
+        if constrained:
+            assert self.grammar is not None
+            res = await self.grammar.step([(r.grammar, []) for r in constrained])  # type: ignore[misc]
+            outcomes = dict(zip(constrained, res, strict=True))
+        rows: list[_Row] = []
+        for req in reqs:
+            out = outcomes.get(req)
+            ff: list[int] = []
+            if out is not None:
+                if not out.ok:
+                    # Nothing was streamed yet: report a gRPC status instead of a half answer.
+                    self._finish(req, FR.FINISH_REASON_ERROR, status=RpcError(out.code, out.error))
+                    continue
+                ff = out.ff_tokens
+                if ff and self._append(req, ff, forced=True):
+                    continue
+                if out.finished:
+                    self._finish(req, FR.FINISH_REASON_STOP)
+                    continue
+            rows.append(_Row(req, req.prompt + ff, 0))
+        if not rows:
+            return
+        logits = await self._forward(rows, "prefill")
+        for row in rows:
+            row.req.cached = len(row.tokens)
+        await self._sample_rows(rows, logits, outcomes)
+        log.debug(
+            "prefill of %d requests took %.1f ms", len(rows), 1e3 * (time.perf_counter() - started)
+        )
+
+    # ------------------------------------------------------------------ decode
+    async def _decode(self, batch: list[Request]) -> None:
+        started = time.perf_counter()
+        entries = [(r.grammar, [r.pending]) for r in batch if r.grammar is not None]
+        grammar_task: asyncio.Task[list[RowOutcome]] | None = None
+        if entries:
+            assert self.grammar is not None
+            grammar_task = asyncio.create_task(self.grammar.step(entries))  # type: ignore[arg-type]
+        outcomes: dict[Request, RowOutcome] = {}
+        logits: Tensor | None = None
+        if grammar_task is None or self.config.overlap:
+            rows = [_Row(r, [r.pending], r.cached) for r in batch]  # type: ignore[list-item]
+            logits = await self._forward(rows, "decode")
+            if grammar_task is not None:
+                waited = time.perf_counter()
+                res = await grammar_task
+                self.metrics.mask_wait(time.perf_counter() - waited)
+                outcomes = dict(zip([r for r in batch if r.grammar is not None], res, strict=True))
+            for r in batch:
+                r.cached += 1
+        else:
+            waited = time.perf_counter()
+            res = await grammar_task
+            self.metrics.mask_wait(time.perf_counter() - waited)
+            outcomes = dict(zip([r for r in batch if r.grammar is not None], res, strict=True))
+
+        # Apply the grammar's answers: errors, forced tokens, ends.
+        live: list[Request] = []
+        ff_rows: list[_Row] = []
+        for r in batch:
+            pending = r.pending
+            r.pending = None
+            out = outcomes.get(r)
+            ff: list[int] = []
+            if out is not None:
+                if not out.ok:
+                    self._finish(r, FR.FINISH_REASON_ERROR, error=f"constraint failed: {out.error}")
+                    continue
+                ff = out.ff_tokens
+                if ff and self._append(r, ff, forced=True):
+                    continue  # finished (stop string or length) inside the forced tokens
+                if out.finished:
+                    self._finish(r, FR.FINISH_REASON_STOP)
+                    continue
+            live.append(r)
+            if self.config.overlap or grammar_task is None:
+                if ff:
+                    ff_rows.append(_Row(r, ff, r.cached))
+            else:
+                ff_rows.append(_Row(r, [pending, *ff], r.cached))  # type: ignore[list-item]
+
+        serial = not self.config.overlap and grammar_task is not None
+        sample_rows: list[_Row | None]
+        if serial:
+            # No overlap: one forward of pending + forced tokens for every live row.
+            if not ff_rows:
+                self.metrics.step(time.perf_counter() - started, len(batch))
+                return
+            logits = await self._forward(ff_rows, "decode")
+            for row in ff_rows:
+                row.req.cached += len(row.tokens)
+            sample_rows = list(ff_rows)
+        else:
+            assert logits is not None
+            if ff_rows:
+                # Jump-forward: the forced tokens in one multi-token pass; the logits of their last
+                # position replace the row's decode logits.
+                ff_logits = await self._forward(ff_rows, "jump_forward")
+                for row in ff_rows:
+                    row.req.cached += len(row.tokens)
+                position = {id(r): i for i, r in enumerate(batch)}
+                dst = [position[id(row.req)] for row in ff_rows]
+                base = logits
+                logits = await self._on_device(lambda: _replace_rows(base, ff_logits, dst))
+            live_set = set(live)
+            sample_rows = [_Row(r, [], 0) if r in live_set else None for r in batch]
+        if live:
+            await self._sample_rows(sample_rows, logits, outcomes)
+        self.metrics.step(time.perf_counter() - started, len(batch))
+
+    # ------------------------------------------------------------------ device work
+    async def _forward(self, rows: list[_Row], kind: str) -> Tensor:
+        """One forward pass over `rows`; returns logits [batch bucket, logits_size] for each row's
+        last token (padding rows: garbage)."""
+        n = self.scheduler.batch_bucket(len(rows))
+        longest = max(len(r.tokens) for r in rows)
+        if kind == "prefill":
+            t = min(prefill_len(longest), max(longest, self.config.max_seq_len))
+        else:
+            t = decode_len(longest)
+        tokens = np.zeros((n, t), dtype=np.int64)
+        pos = np.full((n, t), -1, dtype=np.int64)
+        slots = np.full(n, self.pad_slot, dtype=np.int64)
+        last = np.zeros(n, dtype=np.int64)
+        end = 1
+        for i, row in enumerate(rows):
+            k = len(row.tokens)
+            tokens[i, :k] = row.tokens
+            pos[i, :k] = np.arange(row.start, row.start + k)
+            slots[i] = row.req.slot
+            last[i] = k - 1
+            end = max(end, row.start + k)
+            row.req.forward_passes += 1
+        kv_len = self.scheduler.seq_bucket(end)
+        backend = self.backend
+
+        def run() -> Tensor:
+            with torch.inference_mode():
+                tok = backend.to_device(torch.from_numpy(tokens))
+                ip = backend.to_device(torch.from_numpy(pos))
+                sl = backend.to_device(torch.from_numpy(slots))
+                hidden = self.model(tok, ip, sl, kv_len)
+                if t > 1:
+                    idx = backend.to_device(torch.from_numpy(last))
+                    h = hidden[torch.arange(n, device=hidden.device), idx]
+                else:
+                    h = hidden[:, 0]
+                out = self.model.logits(h)
+                backend.mark_step()
+                backend.sync()
+                return out
+
+        began = time.perf_counter()
+        logits = await self._on_device(run)
+        self.metrics.forward(kind, time.perf_counter() - began)
+        return logits
+
+    async def _sample_rows(
+        self,
+        rows: Sequence[_Row | None],
+        logits: Tensor,
+        outcomes: dict[Request, RowOutcome],
+    ) -> None:
+        """Mask and sample each row (None: a row whose request already left; its sample is
+        ignored), then act on the tokens."""
+        n = int(logits.shape[0])
+        reqs = [row.req if row is not None else None for row in rows]
+        compact_rows: list[np.ndarray] = []
+        dest: list[int] = []
+        ignore_eos: list[int] = []
+        temperature, top_p, top_k, seed, offset = [], [], [], [], []
+        for i, req in enumerate(reqs):
+            if req is None:
+                temperature.append(0.0)
+                top_p.append(1.0)
+                top_k.append(0)
+                seed.append(0)
+                offset.append(0)
+                continue
+            s = req.sampling
+            temperature.append(s.temperature)
+            top_p.append(s.top_p)
+            top_k.append(s.top_k)
+            seed.append(s.seed)
+            offset.append(req.sampled)
+            out = outcomes.get(req)
+            if out is not None and out.mask is not None:
+                compact_rows.append(out.mask[:1])
+                dest.append(i)
+            if s.ignore_eos and req.grammar is None:
+                ignore_eos.append(i)
+        pad = n - len(temperature)
+        structured = self.config.structured_outputs
+        words = self.words
+        eos = self.eos_ids
+
+        def run() -> list[int]:
+            with torch.inference_mode():
+                lg = logits
+                if ignore_eos:
+                    lg = lg.clone()
+                    rows_t = torch.tensor(ignore_eos, dtype=torch.int64, device=lg.device)
+                    for e in eos:
+                        lg[rows_t, e] = float("-inf")
+                mask: Tensor | None = None
+                if structured:
+                    compact = np.full((n, words), -1, dtype=np.int32)
+                    d = np.full(n, n, dtype=np.int64)
+                    for j, (row, target) in enumerate(zip(compact_rows, dest, strict=True)):
+                        compact[j] = row[0]
+                        d[j] = target
+                    mask = self._scatter(
+                        self.backend.to_device(torch.from_numpy(compact)),
+                        self.backend.to_device(torch.from_numpy(d)),
+                        n,
+                    )
+                params = self._sampling_tensors(
+                    temperature=temperature + [0.0] * pad,
+                    top_p=top_p + [1.0] * pad,
+                    top_k=top_k + [0] * pad,
+                    seed=seed + [0] * pad,
+                    offset=offset + [0] * pad,
+                    n_rows=n,
+                    device=self.backend.device,
+                )
+                out = self.sampler(lg, mask, params)
+                self.backend.mark_step()
+                return [int(x) for x in out.tolist()]
+
+        began = time.perf_counter()
+        tokens = await self._on_device(run)
+        self.metrics.sample(time.perf_counter() - began)
+        sampled = 0
+        for req, tok in zip(reqs, tokens, strict=False):
+            if req is None or req.finished:
+                continue
+            sampled += 1
+            self._accept(req, tok)
+        self.metrics.tokens(sampled, 0)
+
+    # ------------------------------------------------------------------ token bookkeeping
+    def _accept(self, req: Request, tok: int) -> None:
+        """A sampled token: end the request or make it the next step's pending token."""
+        req.sampled += 1
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+        if tok < 0 or tok >= self.vocab_size:
+            self._finish(
+                req,
+                FR.FINISH_REASON_ERROR,
+                error="the constraint allows no token here (grammar dead end)",
+            )
+            return
+        s = req.sampling
+        if tok in s.stop_token_ids or (
+            tok in self.eos_ids and not (s.ignore_eos and req.grammar is None)
+        ):
+            self._finish(req, FR.FINISH_REASON_STOP)
+            return
+        if self._append(req, [tok], forced=False):
+            return
+        req.pending = tok
+
+    def _append(self, req: Request, tokens: list[int], *, forced: bool) -> bool:
+        """Add tokens within the request's limits; True when the request finished."""
+        room = min(req.sampling.max_tokens - len(req.output), self.config.max_seq_len - req.seq_len)
+        take = tokens[: max(room, 0)]
+        stop = req.append(take, forced=forced) if take else None
+        if forced:
+            self.metrics.tokens(0, len(take))
+        if stop is not None:
+            self._finish(req, FR.FINISH_REASON_STOP_STRING, stop_string=stop)
+            return True
+        if (
+            len(take) < len(tokens)
+            or len(req.output) >= req.sampling.max_tokens
+            or req.seq_len >= self.config.max_seq_len
+        ):
+            self._finish(req, FR.FINISH_REASON_LENGTH)
+            return True
+        return False
+
+
+def _replace_rows(logits: Tensor, ff_logits: Tensor, dst: list[int]) -> Tensor:
+    """Batch rows `dst` take the logits of jump-forward rows 0..len(dst)-1."""
+    out = logits.clone()
+    out[torch.tensor(dst, device=logits.device)] = ff_logits[: len(dst)]
+    return out

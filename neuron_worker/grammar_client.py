@@ -1,0 +1,459 @@
+"""The worker's side of the grammar Session protocol.
+
+One bidirectional `Session` stream per grammar-service replica. Each request is opened on the
+least-loaded live replica. `step()` sends every replica its rows in parallel and returns one
+`RowOutcome` per row, in order. When a replica's stream breaks, its requests are re-opened on
+another replica with `replay_tokens` (the tokens the grammar had consumed) and their rows are
+sent again, so generation continues. A replica that does not answer within the per-step deadline
+fails only the requests it holds, with a clear error, and is taken out of placement for a while.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from maskwire.rpc import RpcError, channel_options
+from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# How long a replica whose stream broke stays out of placement (doubles per failure, capped).
+_BACKOFF_S = (0.5, 30.0)
+
+
+class ReplicaDown(Exception):
+    """The replica's stream is broken (the message may or may not have been applied)."""
+
+
+@dataclass(eq=False)
+class GrammarRequest:
+    """One request's grammar session: what to re-open it with, and what the service consumed."""
+
+    request_id: str
+    constraint: common_pb2.Constraint
+    options: grammar_pb2.RequestOptions
+    consumed: list[int] = field(default_factory=list)
+    replica: Replica | None = None
+    stream_id: int = -1  # the replica stream it was opened on
+    closed: bool = False
+
+
+@dataclass
+class RowOutcome:
+    """The grammar's answer for one request in one step."""
+
+    ok: bool
+    mask: np.ndarray | None = None  # int32 [mask_rows, W]; None: unconstrained at this position
+    ff_tokens: list[int] = field(default_factory=list)
+    accepting: bool = False
+    finished: bool = False
+    error: str = ""
+    code: grpc.StatusCode = grpc.StatusCode.OK
+
+
+class Replica:
+    """One grammar-service address and its (re-creatable) Session stream."""
+
+    _stream_ids = itertools.count(1)
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.requests: set[GrammarRequest] = set()
+        self.stream_id = 0  # 0: no stream
+        self._channel: grpc.aio.Channel | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._pending: deque[asyncio.Future[grammar_pb2.SessionResponse]] = deque()
+        self._write_lock = asyncio.Lock()
+        self._reader: asyncio.Task[None] | None = None
+        self._down_until = 0.0
+        self._failures = 0
+
+    @property
+    def load(self) -> int:
+        return len(self.requests)
+
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def is_current(self, req: GrammarRequest) -> bool:
+        """Whether `req` still lives on this replica's current stream."""
+        return req.replica is self and req.stream_id == self.stream_id and self._call is not None
+
+    def _ensure_stream(self) -> None:
+        if self._call is not None:
+            return
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=channel_options())
+        stub = grammar_pb2_grpc.GrammarServiceStub(self._channel)
+        self._call = stub.Session()
+        self.stream_id = next(self._stream_ids)
+        self._reader = asyncio.create_task(self._read(self._call), name=f"grammar-{self.address}")
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        err: BaseException | None = None
+        try:
+            async for resp in call:
+                if not self._pending:
+                    err = RuntimeError("grammar service answered a message that was never sent")
+                    break
+                fut = self._pending.popleft()
+                if not fut.done():
+                    fut.set_result(resp)
+                self._failures = 0
+        except asyncio.CancelledError:
+            err = ReplicaDown("stream closed")
+        except grpc.aio.AioRpcError as e:
+            err = e
+        if call is self._call:
+            self.mark_broken(err or ReplicaDown("grammar service ended the stream"))
+
+    def mark_broken(self, err: BaseException) -> None:
+        """Drop the stream: every request on it is lost and must be re-opened elsewhere."""
+        call = self._call
+        if call is None:
+            return
+        self._call = None
+        self._failures += 1
+        self._down_until = time.monotonic() + min(
+            _BACKOFF_S[0] * 2 ** (self._failures - 1), _BACKOFF_S[1]
+        )
+        detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+        log.warning(
+            "grammar replica %s lost (%s); %d requests to re-open",
+            self.address,
+            detail,
+            len(self.requests),
+        )
+        self.requests.clear()
+        pending, self._pending = self._pending, deque()
+        for fut in pending:
+            if not fut.done():
+                fut.set_exception(ReplicaDown(f"grammar replica {self.address}: {detail}"))
+        call.cancel()
+
+    async def send(
+        self, msg: grammar_pb2.SessionRequest
+    ) -> asyncio.Future[grammar_pb2.SessionResponse]:
+        """Write one message; the returned future resolves with its answer (or ReplicaDown)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[grammar_pb2.SessionResponse] = loop.create_future()
+        fut.add_done_callback(_consume_exception)
+        async with self._write_lock:
+            try:
+                self._ensure_stream()
+            except Exception as e:  # channel creation failed (e.g. an unparsable address)
+                self._down_until = time.monotonic() + _BACKOFF_S[1]
+                fut.set_exception(ReplicaDown(f"grammar replica {self.address}: {e}"))
+                return fut
+            call = self._call
+            assert call is not None
+            self._pending.append(fut)
+            try:
+                await call.write(msg)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+                if call is self._call:
+                    self.mark_broken(e)
+                if not fut.done():
+                    fut.set_exception(ReplicaDown(f"grammar replica {self.address}: {e}"))
+        return fut
+
+    async def aclose(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+
+def _consume_exception(fut: asyncio.Future[grammar_pb2.SessionResponse]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+class GrammarClient:
+    """Places requests on replicas and runs each decode step's grammar round trip."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        fingerprint: common_pb2.TokenizerFingerprint,
+        *,
+        words_per_row: int,
+        step_timeout_s: float = 5.0,
+        open_timeout_s: float = 30.0,
+    ) -> None:
+        self.replicas = [Replica(a) for a in addresses]
+        self.fingerprint = fingerprint
+        self.words_per_row = words_per_row
+        self.step_timeout_s = step_timeout_s
+        self.open_timeout_s = open_timeout_s
+        self._step_no = itertools.count(1)
+        self.replays = 0  # requests re-opened after a replica failure (for metrics/tests)
+
+    # ---------------------------------------------------------------- replica set
+    def update_replicas(self, added: Sequence[str], removed: Sequence[str]) -> None:
+        """Follow service discovery: new replicas take placements at once; a removed replica's
+        requests are re-opened elsewhere at their next step."""
+        known = {r.address for r in self.replicas}
+        self.replicas.extend(Replica(a) for a in added if a not in known)
+        gone = set(removed)
+        for replica in [r for r in self.replicas if r.address in gone]:
+            self.replicas.remove(replica)
+            replica.mark_broken(ReplicaDown("removed from service discovery"))
+            asyncio.get_running_loop().create_task(replica.aclose())
+
+    # ---------------------------------------------------------------- placement and open
+    def _candidates(self, exclude: Replica | None = None) -> list[Replica]:
+        live = [r for r in self.replicas if r is not exclude and r.available()]
+        if not live:  # everything is backing off: try them anyway rather than fail outright
+            live = [r for r in self.replicas if r is not exclude]
+        return sorted(live, key=lambda r: r.load)
+
+    async def open(self, req: GrammarRequest) -> list[str]:
+        """Open `req` on the least-loaded replica (replaying `req.consumed`); returns warnings.
+
+        Raises RpcError: the service's own error for a bad constraint (field violations kept),
+        UNAVAILABLE when no replica answers.
+        """
+        return await self._open(req, exclude=None)
+
+    async def _open(self, req: GrammarRequest, exclude: Replica | None) -> list[str]:
+        tried: list[str] = []
+        for replica in self._candidates(exclude):
+            tried.append(replica.address)
+            msg = grammar_pb2.SessionRequest(
+                open=grammar_pb2.Open(
+                    request_id=req.request_id,
+                    constraint=req.constraint,
+                    tokenizer=self.fingerprint,
+                    options=req.options,
+                    replay_tokens=req.consumed,
+                )
+            )
+            try:
+                fut = await replica.send(msg)
+                resp = await asyncio.wait_for(fut, self.open_timeout_s)
+            except ReplicaDown as e:
+                log.info("open %s on %s failed: %s", req.request_id, replica.address, e)
+                continue
+            except TimeoutError:
+                replica.mark_broken(TimeoutError(f"no answer to Open in {self.open_timeout_s}s"))
+                continue
+            opened = resp.opened
+            if opened.HasField("error"):
+                raise RpcError.from_status(opened.error)
+            if opened.position != len(req.consumed):
+                raise RpcError(
+                    grpc.StatusCode.INTERNAL,
+                    f"grammar service replayed {opened.position} of {len(req.consumed)} tokens",
+                )
+            req.replica = replica
+            req.stream_id = replica.stream_id
+            req.closed = False
+            replica.requests.add(req)
+            return list(opened.warnings)
+        raise RpcError(
+            grpc.StatusCode.UNAVAILABLE,
+            "no grammar service replica is reachable (tried "
+            + (", ".join(tried) or "none")
+            + "); constrained requests cannot run until one is back",
+            reason="GRAMMAR_SERVICE_UNAVAILABLE",
+        )
+
+    def close(self, req: GrammarRequest) -> None:
+        """Free the request's grammar state (fire and forget)."""
+        if req.closed:
+            return
+        req.closed = True
+        replica = req.replica
+        if replica is None or not replica.is_current(req):
+            return
+        replica.requests.discard(req)
+        msg = grammar_pb2.SessionRequest(close=grammar_pb2.Close(request_id=req.request_id))
+        asyncio.get_running_loop().create_task(replica.send(msg))
+
+    # ---------------------------------------------------------------- steps
+    async def step(
+        self, entries: Sequence[tuple[GrammarRequest, Sequence[int]]]
+    ) -> list[RowOutcome]:
+        """Advance each request by its new tokens and get its next mask row.
+
+        On OK rows, `req.consumed` is extended by the new tokens and the forced ones.
+        """
+        outcomes: list[RowOutcome | None] = [None] * len(entries)
+        retry = await self._step_once(entries, range(len(entries)), outcomes, allow_retry=True)
+        if retry:
+            reopened: list[int] = []
+            for i in retry:
+                req = entries[i][0]
+                old = req.replica
+                if old is not None:
+                    old.requests.discard(req)
+                try:
+                    await self._open(
+                        req, exclude=old if old is not None and not old.is_current(req) else None
+                    )
+                except RpcError as e:
+                    outcomes[i] = RowOutcome(ok=False, error=e.message, code=e.code)
+                    continue
+                self.replays += 1
+                log.info(
+                    "re-opened %s on %s with %d replayed tokens",
+                    req.request_id,
+                    req.replica.address if req.replica else "?",
+                    len(req.consumed),
+                )
+                reopened.append(i)
+            if reopened:
+                await self._step_once(entries, reopened, outcomes, allow_retry=False)
+        return [o if o is not None else RowOutcome(ok=False, error="no answer") for o in outcomes]
+
+    async def _step_once(
+        self,
+        entries: Sequence[tuple[GrammarRequest, Sequence[int]]],
+        indices: Sequence[int],
+        outcomes: list[RowOutcome | None],
+        *,
+        allow_retry: bool,
+    ) -> list[int]:
+        """One fan-out/fan-in round. Returns the indices that need a re-open and another try."""
+        groups: dict[Replica, list[int]] = {}
+        retry: list[int] = []
+        for i in indices:
+            req = entries[i][0]
+            if req.replica is not None and req.replica.is_current(req):
+                groups.setdefault(req.replica, []).append(i)
+            elif allow_retry:
+                retry.append(i)
+            else:
+                outcomes[i] = RowOutcome(
+                    ok=False,
+                    error="grammar state lost twice in one step",
+                    code=grpc.StatusCode.UNAVAILABLE,
+                )
+        results = await asyncio.gather(
+            *(
+                self._step_replica(rep, entries, idx, outcomes, allow_retry)
+                for rep, idx in groups.items()
+            )
+        )
+        for r in results:
+            retry.extend(r)
+        return sorted(retry)
+
+    async def _step_replica(
+        self,
+        replica: Replica,
+        entries: Sequence[tuple[GrammarRequest, Sequence[int]]],
+        idx: list[int],
+        outcomes: list[RowOutcome | None],
+        allow_retry: bool,
+    ) -> list[int]:
+        rows = []
+        for i in idx:
+            req, new = entries[i]
+            rows.append(
+                grammar_pb2.StepRow(
+                    request_id=req.request_id, new_tokens=new, position=len(req.consumed) + len(new)
+                )
+            )
+        step_no = next(self._step_no)
+        msg = grammar_pb2.SessionRequest(step=grammar_pb2.Step(step=step_no, rows=rows))
+        try:
+            fut = await replica.send(msg)
+            resp = await asyncio.wait_for(fut, self.step_timeout_s)
+        except ReplicaDown:
+            if allow_retry:
+                return idx
+            for i in idx:
+                outcomes[i] = RowOutcome(
+                    ok=False,
+                    error=f"grammar replica {replica.address} failed again after a re-open",
+                    code=grpc.StatusCode.UNAVAILABLE,
+                )
+            return []
+        except TimeoutError:
+            msg_text = (
+                f"grammar service {replica.address} did not answer step {step_no} within "
+                f"{self.step_timeout_s:g}s (--grammar-timeout-s)"
+            )
+            replica.mark_broken(TimeoutError(msg_text))
+            for i in idx:
+                outcomes[i] = RowOutcome(
+                    ok=False, error=msg_text, code=grpc.StatusCode.DEADLINE_EXCEEDED
+                )
+            return []
+        result = resp.step_result
+        if len(result.rows) != len(idx):
+            replica.mark_broken(
+                RuntimeError(f"step {step_no}: {len(result.rows)} rows for {len(idx)}")
+            )
+            return idx if allow_retry else []
+        words = result.words_per_row or self.words_per_row
+        bits = np.frombuffer(result.bitmask, dtype="<i4")
+        offset = 0
+        retry: list[int] = []
+        for i, row in zip(idx, result.rows, strict=True):
+            req, new = entries[i]
+            n = row.mask_rows
+            if row.status == grammar_pb2.ROW_STATUS_OK:
+                mask = None
+                if n:
+                    mask = bits[offset * words : (offset + n) * words].reshape(n, words)
+                    offset += n
+                req.consumed.extend(new)
+                req.consumed.extend(row.ff_tokens)
+                outcomes[i] = RowOutcome(
+                    ok=True,
+                    mask=mask,
+                    ff_tokens=list(row.ff_tokens),
+                    accepting=row.accepting,
+                    finished=row.finished,
+                )
+            elif (
+                row.status
+                in (grammar_pb2.ROW_STATUS_DESYNC, grammar_pb2.ROW_STATUS_UNKNOWN_REQUEST)
+                and allow_retry
+            ):
+                # State lost or out of step (e.g. after a replica change): rebuild it by replay.
+                log.warning(
+                    "step %d: %s %s on %s; replaying",
+                    step_no,
+                    req.request_id,
+                    grammar_pb2.RowStatus.Name(row.status),
+                    replica.address,
+                )
+                replica.requests.discard(req)
+                req.replica = None
+                # Free the service's copy first (same stream, so it is applied before the re-open).
+                close = grammar_pb2.SessionRequest(
+                    close=grammar_pb2.Close(request_id=req.request_id)
+                )
+                await replica.send(close)
+                retry.append(i)
+            else:
+                text = (
+                    row.error.message
+                    if row.HasField("error")
+                    else grammar_pb2.RowStatus.Name(row.status)
+                )
+                if row.status == grammar_pb2.ROW_STATUS_DESYNC:
+                    text = f"grammar desync: sent position {len(req.consumed) + len(new)}, service expected {row.expected_position}"
+                outcomes[i] = RowOutcome(ok=False, error=text, code=grpc.StatusCode.INTERNAL)
+        return retry
+
+    async def aclose(self) -> None:
+        for r in self.replicas:
+            await r.aclose()

@@ -1,0 +1,124 @@
+"""Worker metrics: Prometheus series (scraped on `--metrics-port`) and in-process totals.
+
+The totals (`EngineStats`) are what the benchmark reads; the Prometheus series carry the same
+measurements for operators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import prometheus_client as prom
+
+_STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+_WAIT_BUCKETS = (0.0, 0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
+
+STEP_SECONDS = prom.Histogram(
+    "maskwire_worker_step_seconds", "Wall time of one decode step", buckets=_STEP_BUCKETS
+)
+FORWARD_SECONDS = prom.Histogram(
+    "maskwire_worker_forward_seconds",
+    "Wall time of one forward pass",
+    ["kind"],  # prefill | decode | jump_forward
+    buckets=_STEP_BUCKETS,
+)
+MASK_WAIT_SECONDS = prom.Histogram(
+    "maskwire_worker_mask_wait_seconds",
+    "Time a step waited for grammar masks after its forward pass was done",
+    buckets=_WAIT_BUCKETS,
+)
+SAMPLE_SECONDS = prom.Histogram(
+    "maskwire_worker_sample_seconds", "Wall time of the sampler", buckets=_STEP_BUCKETS
+)
+BATCH_SIZE = prom.Histogram(
+    "maskwire_worker_batch_size",
+    "Requests in a decode step",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+)
+TOKENS = prom.Counter(
+    "maskwire_worker_generated_tokens_total",
+    "Completion tokens produced (rate() gives tokens/s)",
+    ["kind"],  # sampled | forced
+)
+FORWARD_PASSES = prom.Counter(
+    "maskwire_worker_forward_passes_total", "Forward passes run", ["kind"]
+)
+QUEUE_DEPTH = prom.Gauge("maskwire_worker_queue_depth", "Requests waiting for a KV slot")
+RUNNING = prom.Gauge("maskwire_worker_running_requests", "Requests holding a KV slot")
+REQUESTS = prom.Counter(
+    "maskwire_worker_requests_total", "Finished requests", ["finish_reason", "constrained"]
+)
+REJECTED = prom.Counter("maskwire_worker_rejected_total", "Requests refused", ["code"])
+GRAMMAR_REPLAYS = prom.Counter(
+    "maskwire_worker_grammar_replays_total",
+    "Requests re-opened on another grammar replica after a failure",
+)
+
+
+@dataclass
+class EngineStats:
+    """Running totals since start (seconds and counts)."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    forward_s: float = 0.0
+    mask_wait_s: float = 0.0
+    sample_s: float = 0.0
+    prefill_s: float = 0.0
+    forward_passes: int = 0
+    sampled_tokens: int = 0
+    forced_tokens: int = 0
+
+    def snapshot(self) -> dict[str, float]:
+        return asdict(self)
+
+
+class Metrics:
+    """Records one engine's measurements into both its totals and the Prometheus series."""
+
+    def __init__(self) -> None:
+        self.stats = EngineStats()
+
+    def step(self, seconds: float, batch: int) -> None:
+        self.stats.steps += 1
+        self.stats.step_s += seconds
+        STEP_SECONDS.observe(seconds)
+        BATCH_SIZE.observe(batch)
+
+    def forward(self, kind: str, seconds: float) -> None:
+        self.stats.forward_passes += 1
+        if kind == "prefill":
+            self.stats.prefill_s += seconds
+        else:
+            self.stats.forward_s += seconds
+        FORWARD_SECONDS.labels(kind).observe(seconds)
+        FORWARD_PASSES.labels(kind).inc()
+
+    def mask_wait(self, seconds: float) -> None:
+        self.stats.mask_wait_s += seconds
+        MASK_WAIT_SECONDS.observe(seconds)
+
+    def sample(self, seconds: float) -> None:
+        self.stats.sample_s += seconds
+        SAMPLE_SECONDS.observe(seconds)
+
+    def tokens(self, sampled: int, forced: int) -> None:
+        self.stats.sampled_tokens += sampled
+        self.stats.forced_tokens += forced
+        if sampled:
+            TOKENS.labels("sampled").inc(sampled)
+        if forced:
+            TOKENS.labels("forced").inc(forced)
+
+    def queue(self, waiting: int, running: int) -> None:
+        QUEUE_DEPTH.set(waiting)
+        RUNNING.set(running)
+
+    def finished(self, reason: str, constrained: bool) -> None:
+        REQUESTS.labels(reason, "true" if constrained else "false").inc()
+
+    def rejected(self, code: str) -> None:
+        REJECTED.labels(code).inc()
+
+    def replayed(self, n: int = 1) -> None:
+        GRAMMAR_REPLAYS.inc(n)

@@ -1,0 +1,128 @@
+"""Per-request state for the engine: prompt, sampling, generated tokens, output stream."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from maskwire.rpc import RpcError
+from maskwire.v1 import common_pb2, worker_pb2
+from neuron_worker.detokenize import Detokenizer
+from neuron_worker.grammar_client import GrammarRequest
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Validated sampling parameters (defaults already applied)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    max_tokens: int = 0  # resolved: > 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+
+OutputItem = worker_pb2.GenerateResponse | RpcError
+
+
+@dataclass(eq=False)
+class Request:
+    """One Generate call from admission to its final message.
+
+    `output` holds every generated token (sampled and forced). `pending` is the last sampled
+    token: part of `output`, already known to the grammar only after the next step, and not yet
+    written to the KV cache (the next forward pass feeds it).
+    """
+
+    request_id: str
+    prompt: list[int]
+    sampling: Sampling
+    detok: Detokenizer
+    constraint: common_pb2.Constraint | None = None
+    reasoning_end_marker: str = ""
+    arrival: float = field(default_factory=time.monotonic)
+
+    grammar: GrammarRequest | None = None  # set when the request is constrained
+    state: State = State.WAITING
+    slot: int = -1
+    output: list[int] = field(default_factory=list)
+    pending: int | None = None
+    cached: int = 0  # tokens (prompt + output) whose K/V are in the cache
+    forced_tokens: int = 0
+    forward_passes: int = 0
+    sampled: int = 0  # tokens drawn by the sampler (the sampler's per-request offset)
+    abort_reason: str | None = None  # set by Abort / cancellation; acted on between steps
+    first_token_at: float | None = None
+    outputs: asyncio.Queue[OutputItem] = field(default_factory=asyncio.Queue)
+    # Token ids and text not yet sent to the client.
+    _unsent_ids: list[int] = field(default_factory=list)
+    _unsent_text: list[str] = field(default_factory=list)
+
+    @property
+    def constrained(self) -> bool:
+        return self.constraint is not None
+
+    @property
+    def finished(self) -> bool:
+        return self.state is State.FINISHED
+
+    @property
+    def seq_len(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt) + len(self.output)
+
+    def append(self, tokens: list[int], *, forced: bool) -> str | None:
+        """Add generated tokens; returns the stop string if one matched."""
+        self.output.extend(tokens)
+        if forced:
+            self.forced_tokens += len(tokens)
+        self._unsent_ids.extend(tokens)
+        delta = self.detok.feed(tokens)
+        if delta.text:
+            self._unsent_text.append(delta.text)
+        return delta.stop
+
+    def flush_message(self) -> worker_pb2.GenerateResponse | None:
+        """A delta message with what was generated since the last one (None if nothing)."""
+        if not self._unsent_ids and not self._unsent_text:
+            return None
+        msg = worker_pb2.GenerateResponse(
+            request_id=self.request_id, token_ids=self._unsent_ids, text="".join(self._unsent_text)
+        )
+        self._unsent_ids = []
+        self._unsent_text = []
+        return msg
+
+    def final_message(
+        self, reason: int, *, stop_string: str = "", error: str = ""
+    ) -> worker_pb2.GenerateResponse:
+        """The last message: remaining delta (held text released unless a stop string hit),
+        finish reason and usage."""
+        if reason != worker_pb2.FINISH_REASON_STOP_STRING:
+            tail = self.detok.flush().text
+            if tail:
+                self._unsent_text.append(tail)
+        msg = self.flush_message() or worker_pb2.GenerateResponse(request_id=self.request_id)
+        msg.finish_reason = reason  # type: ignore[assignment]
+        msg.stop_string = stop_string
+        msg.error = error
+        msg.usage.CopyFrom(
+            worker_pb2.Usage(
+                prompt_tokens=len(self.prompt),
+                completion_tokens=len(self.output),
+                forced_tokens=self.forced_tokens,
+                forward_passes=self.forward_passes,
+            )
+        )
+        return msg

@@ -1,0 +1,140 @@
+"""Admission and bookkeeping: the bounded wait queue, KV cache slots, batch and sequence buckets.
+
+The scheduler never touches the device or the network; the engine asks it which requests run
+next and tells it when they finish.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+from collections import deque
+from collections.abc import Sequence
+
+import grpc
+
+from maskwire.rpc import RpcError
+from neuron_worker.request import Request, State
+
+
+def pow2_buckets(lo: int, hi: int) -> list[int]:
+    """lo, 2*lo, 4*lo, ... and always `hi` itself as the last bucket."""
+    out: list[int] = []
+    b = max(1, lo)
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return out
+
+
+def parse_buckets(text: str, hi: int, lo: int) -> list[int]:
+    """`"1,2,4,8"` -> sorted buckets capped at `hi` (which is always included); "" -> powers of two."""
+    if not text.strip():
+        return pow2_buckets(lo, hi)
+    values = sorted({int(v) for v in text.split(",") if v.strip()})
+    if any(v <= 0 for v in values):
+        raise ValueError(f"buckets must be positive: {text!r}")
+    return sorted({v for v in values if v < hi} | {hi})
+
+
+def bucket_for(buckets: Sequence[int], n: int) -> int:
+    """Smallest bucket >= n (buckets sorted); n above the largest is a caller bug."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+class Scheduler:
+    """Bounded FIFO of waiting requests and the set of running ones, one KV slot each."""
+
+    def __init__(
+        self,
+        *,
+        max_batch: int,
+        max_queue: int,
+        max_seq_len: int,
+        batch_buckets: Sequence[int],
+        seq_buckets: Sequence[int],
+        max_prefill_tokens: int,
+    ) -> None:
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.max_seq_len = max_seq_len
+        self.batch_buckets = list(batch_buckets)
+        self.seq_buckets = list(seq_buckets)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._free_slots = list(range(max_batch - 1, -1, -1))
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def enqueue(self, req: Request) -> None:
+        """Queue a request; RESOURCE_EXHAUSTED when the queue is full."""
+        if len(self.waiting) >= self.max_queue:
+            raise RpcError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the worker's queue is full ({self.max_queue} waiting requests); retry later",
+                reason="QUEUE_FULL",
+            )
+        req.state = State.WAITING
+        self.waiting.append(req)
+
+    def admit(self) -> list[Request]:
+        """Move waiting requests into free slots, FIFO, within the prefill token budget."""
+        admitted: list[Request] = []
+        longest = 0
+        while self.waiting and self._free_slots:
+            req = self.waiting[0]
+            longest_next = max(longest, len(req.prompt))
+            rows = self.batch_bucket(len(admitted) + 1)
+            if admitted and rows * prefill_len(longest_next) > self.max_prefill_tokens:
+                break
+            self.waiting.popleft()
+            req.slot = self._free_slots.pop()
+            req.state = State.RUNNING
+            self.running.append(req)
+            admitted.append(req)
+            longest = longest_next
+        return admitted
+
+    def release(self, req: Request) -> None:
+        """A request finished: free its slot (or drop it from the queue)."""
+        if req.state is State.RUNNING:
+            self.running.remove(req)
+            self._free_slots.append(req.slot)
+            req.slot = -1
+        elif req.state is State.WAITING:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(req)
+        req.state = State.FINISHED
+
+    def batch_bucket(self, n: int) -> int:
+        return bucket_for(self.batch_buckets, n)
+
+    def seq_bucket(self, n: int) -> int:
+        """`kv_len` for a batch whose longest position + 1 is n."""
+        return bucket_for(self.seq_buckets, n)
+
+
+def prefill_len(n: int) -> int:
+    """Padded token count of a prefill row: next power of two >= n (at least 8)."""
+    b = 8
+    while b < n:
+        b *= 2
+    return b
+
+
+def decode_len(n: int) -> int:
+    """Padded token count of a multi-token decode row (jump-forward): 1, 2, 4, 8, ..."""
+    b = 1
+    while b < n:
+        b *= 2
+    return b
