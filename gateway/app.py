@@ -1,0 +1,323 @@
+"""The FastAPI application: routes, OpenAI-shaped errors, body limit, metrics, worker pool."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway import chat, completions, errors, schemas
+from gateway.generation import ClientDisconnected, Context, Limiter
+from gateway.metrics import GatewayMetrics
+from gateway.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+STATUS_CLIENT_CLOSED = 499
+
+
+@dataclass
+class GatewayConfig:
+    """Everything `maskwire gateway` flags decide."""
+
+    workers: list[str]
+    chat_template: str | None = None  # template source overriding the model's
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_concurrency: int = 256
+    health_interval_s: float = 5.0
+    # Bearer tokens accepted on /v1 (empty: no authentication). Seam for `--api-key`.
+    api_keys: tuple[str, ...] = field(default_factory=tuple)
+
+
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": schemas.ErrorResponse, "description": text}
+    for code, text in {
+        400: "Invalid request (bad schema, unsupported parameter)",
+        404: "Unknown model",
+        413: "Request body too large",
+        422: "Malformed body",
+        429: "Overloaded",
+        503: "No worker available",
+        504: "Deadline exceeded",
+    }.items()
+}
+
+_STREAM_DOC = {
+    "description": "The completion; with `stream: true`, server-sent events (`data: {chunk}` "
+    "lines ending with `data: [DONE]`)",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
+
+
+def _error_response(err: errors.APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts = []
+    first: str | None = None
+    for e in exc.errors():
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        if first is None and where:
+            first = where
+        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    return "; ".join(parts) or "invalid request body", first
+
+
+class BodyLimit:
+    """Refuse request bodies over `max_bytes` with 413 (by Content-Length, or while reading)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_big = errors.APIError(
+            413, f"the request body exceeds {self.max_bytes} bytes", code="request_too_large"
+        )
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await _error_response(too_big)(scope, receive, send)
+                return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            await _error_response(too_big)(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class RequestMetrics:
+    """Count responses by route template and status (pure ASGI: streaming stays streaming)."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", "other")
+            self.metrics.requests.labels(path, str(status)).inc()
+
+
+def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI:
+    """The gateway app; it owns (starts and closes) `pool` unless one is passed in."""
+    metrics = GatewayMetrics()
+    own_pool = pool is None
+    the_pool = pool or WorkerPool(
+        config.workers,
+        health_interval_s=config.health_interval_s,
+        on_health=metrics.set_worker_health,
+    )
+    ctx = Context(
+        pool=the_pool,
+        limiter=Limiter(config.max_concurrency),
+        metrics=metrics,
+        request_timeout_s=config.request_timeout_s,
+    )
+    started = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if own_pool:
+            await the_pool.start()
+        try:
+            yield
+        finally:
+            if own_pool:
+                await the_pool.close()
+
+    app = FastAPI(
+        title="maskwire gateway",
+        version="0.1.0",
+        summary="OpenAI-compatible REST API with grammar-constrained decoding.",
+        lifespan=lifespan,
+    )
+    app.state.ctx = ctx
+
+    async def authorize(request: Request) -> None:
+        if not config.api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not any(secrets.compare_digest(token, k) for k in config.api_keys):
+            raise errors.APIError(
+                401,
+                "invalid or missing API key",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+
+    @app.exception_handler(errors.APIError)
+    async def _api_error(_: Request, exc: errors.APIError) -> JSONResponse:
+        if exc.status >= 500:
+            log.warning("request failed: %s %s", exc.status, exc.message)
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error_response(errors.APIError(422, message, param=param, code="invalid_body"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(errors.APIError(exc.status_code, str(exc.detail), code=None))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, exc: ClientDisconnected) -> Response:
+        metrics.cancelled.inc()
+        return Response(status_code=STATUS_CLIENT_CLOSED)
+
+    v1 = [Depends(authorize)]
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=schemas.ChatCompletion,
+        responses={200: _STREAM_DOC, **_ERROR_RESPONSES},
+        dependencies=v1,
+        tags=["openai"],
+        summary="Create a chat completion",
+    )
+    async def create_chat_completion(
+        body: schemas.ChatCompletionRequest, request: Request
+    ) -> Response:
+        t0 = time.monotonic()
+        metrics.in_flight.inc()
+        try:
+            return await chat.handle(ctx, request, body, config.chat_template)
+        finally:
+            metrics.in_flight.dec()
+            if not body.stream:
+                metrics.latency.labels(chat.ENDPOINT, "false").observe(time.monotonic() - t0)
+
+    @app.post(
+        "/v1/completions",
+        response_model=schemas.Completion,
+        responses={200: _STREAM_DOC, **_ERROR_RESPONSES},
+        dependencies=v1,
+        tags=["openai"],
+        summary="Create a text completion",
+    )
+    async def create_completion(body: schemas.CompletionRequest, request: Request) -> Response:
+        t0 = time.monotonic()
+        metrics.in_flight.inc()
+        try:
+            return await completions.handle(ctx, request, body)
+        finally:
+            metrics.in_flight.dec()
+            if not body.stream:
+                metrics.latency.labels(completions.ENDPOINT, "false").observe(time.monotonic() - t0)
+
+    async def _cards() -> list[schemas.ModelCard]:
+        info = await the_pool.model_info()
+        return [
+            schemas.ModelCard(id=m, created=started, max_model_len=info.max_context or None)
+            for m in the_pool.known_models()
+        ]
+
+    @app.get(
+        "/v1/models",
+        response_model=schemas.ModelList,
+        responses={503: _ERROR_RESPONSES[503]},
+        dependencies=v1,
+        tags=["openai"],
+        summary="List the served models",
+    )
+    async def list_models() -> schemas.ModelList:
+        return schemas.ModelList(data=await _cards())
+
+    @app.get(
+        "/v1/models/{model}",
+        response_model=schemas.ModelCard,
+        responses={404: _ERROR_RESPONSES[404], 503: _ERROR_RESPONSES[503]},
+        dependencies=v1,
+        tags=["openai"],
+        summary="Describe one model",
+    )
+    async def get_model(model: str) -> schemas.ModelCard:
+        for card in await _cards():
+            if card.id == model:
+                return card
+        raise errors.model_not_found(model, the_pool.known_models())
+
+    @app.get("/health", response_model=schemas.Health, tags=["operations"])
+    async def health() -> schemas.Health:
+        """Liveness: 200 while the gateway runs; says which workers pass their health checks."""
+        workers = [
+            schemas.WorkerHealth(
+                address=ep.address,
+                healthy=ep.healthy,
+                in_flight=ep.in_flight,
+                model=ep.info.model if ep.info is not None else None,
+            )
+            for ep in the_pool.endpoints
+        ]
+        ok = any(w.healthy for w in workers)
+        return schemas.Health(status="ok" if ok else "degraded", workers=workers)
+
+    @app.get(
+        "/ready",
+        response_model=schemas.Health,
+        responses={503: {"model": schemas.Health}},
+        tags=["operations"],
+    )
+    async def ready() -> Response:
+        """Readiness: 200 when at least one worker is healthy, else 503."""
+        h = await health()
+        return JSONResponse(h.model_dump(), status_code=200 if h.status == "ok" else 503)
+
+    @app.get(
+        "/metrics",
+        tags=["operations"],
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {}}, "description": "Prometheus metrics"}},
+    )
+    async def prometheus() -> Response:
+        """Prometheus text format."""
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    app.add_middleware(RequestMetrics, metrics=metrics)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    return app

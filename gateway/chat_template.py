@@ -1,0 +1,177 @@
+"""Render chat prompts with the model's own Jinja template, the way Hugging Face does.
+
+Same environment as `transformers` (sandboxed, `trim_blocks`, `lstrip_blocks`, `loopcontrols`,
+`raise_exception`, `tojson`, `strftime_now`). Templates that do not mention `tools` get the tools
+as a Hermes-style system prompt, earlier calls as `<tool_call>` text and tool results as
+`<tool_response>` user turns, so any ChatML-like template can carry a tool conversation.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from gateway import schemas, tools
+from gateway.errors import bad_request, unsupported
+
+
+class TemplateError(Exception):
+    """The template failed to render (raise_exception, a Jinja error)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class ChatTemplate:
+    """A compiled chat template plus the special tokens it may reference."""
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+        try:
+            self.template = _compile(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise TemplateError(f"chat template does not compile: {e}") from e
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        # Hugging Face's own heuristic: a template that never says `tools` cannot render them.
+        self.supports_tools = "tools" in source
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        variables: dict[str, Any] = {**(extra or {})}
+        variables.update(
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+        try:
+            return self.template.render(**variables)
+        except jinja2.exceptions.TemplateError as e:
+            raise TemplateError(str(e)) from e
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            raise TemplateError(f"{type(e).__name__}: {e}") from e
+
+
+def _text(content: str | list[schemas.ContentPart] | None, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, schemas.TextContentPart):
+            raise unsupported(f"{where}.content[{i}]", f"content type {part.type!r}")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _arguments_value(arguments: str) -> Any:
+    """Templates with tool support expect arguments as a mapping (Hugging Face convention)."""
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
+def build_prompt(
+    template: ChatTemplate,
+    req: schemas.ChatCompletionRequest,
+    plan: tools.ToolPlan,
+) -> str:
+    """The prompt text for a chat request (400 when the template refuses the conversation)."""
+    native = template.supports_tools
+    messages: list[dict[str, Any]] = []
+    for i, m in enumerate(req.messages):
+        where = f"messages[{i}]"
+        role = "system" if m.role == "developer" else m.role
+        content = _text(m.content, where)
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.role == "assistant" and m.tool_calls:
+            if native:
+                msg["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {
+                            "name": c.function.name,
+                            "arguments": _arguments_value(c.function.arguments),
+                        },
+                    }
+                    for c in m.tool_calls
+                ]
+            else:
+                calls = "".join(
+                    tools.hermes_call_text(c.function.name, c.function.arguments)
+                    for c in m.tool_calls
+                )
+                msg["content"] = f"{content}\n{calls}" if content else calls
+        elif m.role == "tool":
+            if m.tool_call_id is None:
+                raise bad_request("tool messages need `tool_call_id`", f"{where}.tool_call_id")
+            if native:
+                msg["tool_call_id"] = m.tool_call_id
+            else:
+                msg = {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+        messages.append(msg)
+
+    tool_dicts = tools.openai_tools(plan.tools) if plan.in_prompt else None
+    if tool_dicts and not native:
+        prompt = tools.hermes_system_prompt(plan.tools)
+        if messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}
+        else:
+            messages.insert(0, {"role": "system", "content": prompt})
+        tool_dicts = None
+    try:
+        return template.render(
+            messages,
+            tools=tool_dicts,
+            add_generation_prompt=True,
+            extra=req.chat_template_kwargs,
+        )
+    except TemplateError as e:
+        raise bad_request(f"the chat template rejected the conversation: {e}", "messages") from e

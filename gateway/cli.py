@@ -1,0 +1,93 @@
+"""`maskwire gateway`: the OpenAI-compatible REST front (kept light: FastAPI loads in `run`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    parser.add_argument(
+        "--worker",
+        action="append",
+        required=True,
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="worker gRPC address; repeat the flag or give a comma list for several",
+    )
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template to use instead of the model's own",
+    )
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
+        help="deadline of one request on the worker, seconds (default 600; 504 past it)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        help="largest request body accepted (default 8 MiB; 413 past it)",
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=256,
+        help="generation requests handled at once; more get 429 (default 256)",
+    )
+    parser.add_argument(
+        "--health-interval-s",
+        type=float,
+        default=5.0,
+        help="seconds between worker health checks (default 5)",
+    )
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING...")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import GatewayConfig, create_app
+    from gateway.workers import parse_addresses
+    from maskwire.logs import setup_logging
+
+    setup_logging(args.log_level)
+    for name in ("max_body_bytes", "max_concurrency"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+    if args.request_timeout_s <= 0 or args.health_interval_s <= 0:
+        raise SystemExit("--request-timeout-s and --health-interval-s must be positive")
+    template = None
+    if args.chat_template:
+        path = Path(args.chat_template)
+        if not path.is_file():
+            raise SystemExit(f"--chat-template: no such file: {path}")
+        template = path.read_text()
+        from gateway.chat_template import ChatTemplate, TemplateError
+
+        try:
+            ChatTemplate(template)
+        except TemplateError as e:
+            raise SystemExit(f"--chat-template {path}: {e}") from e
+    config = GatewayConfig(
+        workers=parse_addresses(args.worker),
+        chat_template=template,
+        request_timeout_s=args.request_timeout_s,
+        max_body_bytes=args.max_body_bytes,
+        max_concurrency=args.max_concurrency,
+        health_interval_s=args.health_interval_s,
+    )
+    app = create_app(config)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=(args.log_level or "info").lower(),
+        access_log=False,
+        timeout_graceful_shutdown=30,
+    )
+    return 0

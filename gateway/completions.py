@@ -1,0 +1,152 @@
+"""POST /v1/completions: a raw prompt (text or token ids), optional constraint, SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway import constraints, errors, schemas, sse
+from gateway.generation import (
+    Context,
+    WorkerStream,
+    check_common,
+    check_model,
+    finish_reason,
+    new_id,
+    sampling,
+    unless_disconnected,
+)
+from maskwire.v1 import worker_pb2
+
+ENDPOINT = "/v1/completions"
+
+
+def plan_completion(
+    req: schemas.CompletionRequest,
+) -> tuple[worker_pb2.GenerateRequest, str | None]:
+    check_common(req)
+    if req.suffix:
+        raise errors.unsupported("suffix")
+    if req.best_of not in (None, 1):
+        raise errors.unsupported("best_of", "only 1")
+    gen = worker_pb2.GenerateRequest(sampling=sampling(req, req.max_tokens), model=req.model)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise errors.unsupported("prompt", "one prompt per request (send a list of one)")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        gen.text = prompt
+    else:
+        assert isinstance(prompt, list)
+        if not prompt:
+            raise errors.bad_request("the prompt is empty", "prompt")
+        if req.echo:
+            raise errors.unsupported("echo", "only with a text prompt")
+        gen.token_ids.ids.extend(int(t) for t in prompt)  # type: ignore[arg-type]
+    spec = constraints.from_request(req)
+    if spec is not None:
+        gen.constraint.CopyFrom(spec.constraint)
+    return gen, spec.param if spec else None
+
+
+async def handle(ctx: Context, request: Request, req: schemas.CompletionRequest) -> Response:
+    await check_model(ctx, req.model)
+    gen, param = plan_completion(req)
+    rid = new_id("cmpl")
+    gen.request_id = rid
+    created = int(time.time())
+    echo = gen.text if req.echo else ""
+    ctx.limiter.acquire()
+    released = False
+    try:
+        stream = await WorkerStream.open(ctx, request, ENDPOINT, gen, param)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            released = True  # the stream body releases the slot
+            return sse.response(_stream(ctx, stream, rid, created, req.model, echo, include_usage))
+        body = await unless_disconnected(request, _collect(stream, rid, created, req.model, echo))
+        return JSONResponse(body)
+    finally:
+        if not released:
+            ctx.limiter.release()
+
+
+async def _collect(
+    stream: WorkerStream, rid: str, created: int, model: str, echo: str
+) -> dict[str, Any]:
+    parts = [echo]
+    try:
+        async for msg in stream:
+            parts.append(msg.text)
+    finally:
+        await stream.aclose()
+    result = schemas.Completion(
+        id=rid,
+        created=created,
+        model=model,
+        choices=[
+            schemas.CompletionChoice(
+                index=0, text="".join(parts), finish_reason=finish_reason(stream.final)
+            )
+        ],
+        usage=stream.usage(),
+    )
+    return result.model_dump(mode="json")
+
+
+async def _stream(
+    ctx: Context,
+    stream: WorkerStream,
+    rid: str,
+    created: int,
+    model: str,
+    echo: str,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    def chunk(text: str, finish: str | None = None, usage: Any = None) -> bytes:
+        body: dict[str, Any] = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        }
+        if include_usage:
+            body["usage"] = None
+        return sse.event(body)
+
+    started = time.monotonic()
+    try:
+        if echo:
+            yield chunk(echo)
+        async for msg in stream:
+            if msg.text:
+                yield chunk(msg.text)
+        yield chunk("", finish_reason(stream.final))
+        if include_usage:
+            yield sse.event(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": stream.usage().model_dump(),
+                }
+            )
+        yield sse.DONE
+    except errors.APIError as e:
+        yield sse.event(e.body())
+    except (asyncio.CancelledError, GeneratorExit):
+        ctx.metrics.cancelled.inc()  # client went away: closing the stream cancels the call
+        raise
+    finally:
+        await stream.aclose()
+        ctx.limiter.release()
+        ctx.metrics.latency.labels(ENDPOINT, "true").observe(time.monotonic() - started)

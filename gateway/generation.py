@@ -1,0 +1,223 @@
+"""What both completion endpoints share: sampling params, admission, the worker stream, finish."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from gateway import errors, schemas
+from gateway.metrics import GatewayMetrics
+from gateway.workers import WorkerPool
+from maskwire.v1 import worker_pb2
+
+T = TypeVar("T")
+
+MAX_STOP_STRINGS = 4
+_FINISH_OK = (
+    worker_pb2.FINISH_REASON_STOP,
+    worker_pb2.FINISH_REASON_STOP_STRING,
+    worker_pb2.FINISH_REASON_LENGTH,
+)
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; the worker call has been cancelled."""
+
+
+class Limiter:
+    """Admission control: at most `limit` generation requests at once; the rest get 429."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+
+    def acquire(self) -> None:
+        if self.active >= self.limit:
+            raise errors.overloaded(
+                f"the gateway is at its limit of {self.limit} concurrent requests; retry later"
+            )
+        self.active += 1
+
+    def release(self) -> None:
+        self.active -= 1
+
+
+@dataclass
+class Context:
+    """Per-app services a request handler needs."""
+
+    pool: WorkerPool
+    limiter: Limiter
+    metrics: GatewayMetrics
+    request_timeout_s: float
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_common(req: schemas._SamplingFields) -> None:
+    """Refuse, with a 400 naming the field, what this server cannot honour."""
+    if req.n not in (None, 1):
+        raise errors.unsupported("n", "only n=1")
+    if req.logprobs not in (None, False):
+        raise errors.unsupported("logprobs")
+    if req.presence_penalty not in (None, 0):
+        raise errors.unsupported("presence_penalty", "only 0")
+    if req.frequency_penalty not in (None, 0):
+        raise errors.unsupported("frequency_penalty", "only 0")
+    if req.logit_bias:
+        raise errors.unsupported("logit_bias")
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise errors.bad_request(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+    if any(s == "" for s in stops):
+        raise errors.bad_request("stop strings must not be empty", "stop")
+    return stops
+
+
+def sampling(
+    req: schemas._SamplingFields, max_tokens: int | None, extra_stop: Sequence[str] = ()
+) -> worker_pb2.SamplingParams:
+    params = worker_pb2.SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=req.top_p or 0.0,
+        top_k=req.top_k or 0,
+        max_tokens=max_tokens or 0,
+        stop=[*stop_list(req.stop), *extra_stop],
+        ignore_eos=bool(req.ignore_eos),
+    )
+    if req.seed is not None:
+        params.seed = req.seed % 2**64
+    return params
+
+
+async def check_model(ctx: Context, model: str) -> worker_pb2.ModelInfo:
+    info = await ctx.pool.model_info()
+    served = ctx.pool.known_models()
+    if model not in served:
+        raise errors.model_not_found(model, served)
+    return info
+
+
+async def until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and raising ClientDisconnected) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientDisconnected
+
+
+class WorkerStream:
+    """One request's worker output, primed so errors before the first token become HTTP errors."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        endpoint: str,
+        gen: AsyncIterator[worker_pb2.GenerateResponse],
+    ) -> None:
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.gen = gen
+        self.first: worker_pb2.GenerateResponse | None = None
+        self.final: worker_pb2.GenerateResponse | None = None
+        self.started = time.monotonic()
+
+    @classmethod
+    async def open(
+        cls,
+        ctx: Context,
+        request: Request,
+        endpoint: str,
+        gen_request: worker_pb2.GenerateRequest,
+        constraint_param: str | None,
+    ) -> WorkerStream:
+        gen = ctx.pool.generate(
+            gen_request, timeout_s=ctx.request_timeout_s, constraint_param=constraint_param
+        )
+        self = cls(ctx, endpoint, gen)
+        try:
+            self.first = await unless_disconnected(request, anext(gen))
+        except StopAsyncIteration:
+            raise errors.internal("the worker ended the stream without output") from None
+        except BaseException:
+            await self.aclose()
+            raise
+        ctx.metrics.first_token.labels(endpoint).observe(time.monotonic() - self.started)
+        return self
+
+    async def __aiter__(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        msgs: list[worker_pb2.GenerateResponse] = [self.first] if self.first is not None else []
+        self.first = None
+        for msg in msgs:
+            yield self._check(msg)
+        async for msg in self.gen:
+            yield self._check(msg)
+
+    def _check(self, msg: worker_pb2.GenerateResponse) -> worker_pb2.GenerateResponse:
+        if msg.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED:
+            self.final = msg
+            if msg.finish_reason not in _FINISH_OK:
+                if msg.finish_reason == worker_pb2.FINISH_REASON_ABORT:
+                    raise errors.APIError(
+                        500,
+                        "the request was aborted on the worker",
+                        type="server_error",
+                        code="aborted",
+                    )
+                raise errors.internal(f"generation failed: {msg.error or 'unknown error'}")
+            usage = msg.usage
+            self.ctx.metrics.tokens.labels("prompt").inc(usage.prompt_tokens)
+            self.ctx.metrics.tokens.labels("completion").inc(usage.completion_tokens)
+        return msg
+
+    async def aclose(self) -> None:
+        aclose = getattr(self.gen, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    def usage(self) -> schemas.Usage:
+        u = self.final.usage if self.final is not None else worker_pb2.Usage()
+        return schemas.Usage(
+            prompt_tokens=u.prompt_tokens,
+            completion_tokens=u.completion_tokens,
+            total_tokens=u.prompt_tokens + u.completion_tokens,
+        )
+
+
+def finish_reason(msg: worker_pb2.GenerateResponse | None, tool_calls: int = 0) -> Any:
+    """OpenAI's finish_reason for the worker's last message."""
+    if msg is None or msg.finish_reason == worker_pb2.FINISH_REASON_LENGTH:
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
