@@ -139,6 +139,7 @@ def run_demo(gateway_url: str, stop: threading.Event | None = None) -> int:
         print(f"demo failed: the answer breaks the schema: {'; '.join(errors)}", file=sys.stderr)
         return 1
     print("  valid   yes: the answer matches the schema")
+    print("\nRun `maskwire up` to keep the services running and send your own requests.")
     return 0
 
 

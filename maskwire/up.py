@@ -291,7 +291,11 @@ def run(args: argparse.Namespace) -> int:
         else:
             _say(f"ready in {time.monotonic() - started_at:.1f}s")
             _print_banner(
-                gateway_url, addr(ports.worker), [addr(p) for p in ports.grammar], log_dir
+                gateway_url,
+                addr(ports.worker),
+                [addr(p) for p in ports.grammar],
+                log_dir,
+                examples=not args.demo,
             )
             if args.demo:
                 from maskwire.demo import run_demo
@@ -351,7 +355,9 @@ def _report_death(c: Child, log_dir: Path) -> None:
     _say(f"full log: {c.log_path}")
 
 
-def _print_banner(gateway_url: str, worker: str, grammar: list[str], log_dir: Path) -> None:
+def _print_banner(
+    gateway_url: str, worker: str, grammar: list[str], log_dir: Path, *, examples: bool
+) -> None:
     import json
 
     from maskwire.demo import model_id
@@ -385,6 +391,11 @@ def _print_banner(gateway_url: str, worker: str, grammar: list[str], log_dir: Pa
         f"  grammar service (gRPC)  {', '.join(grammar)}",
         f"  logs                    {log_dir}/",
         "",
+    ]
+    if not examples:
+        print("\n".join(lines), flush=True)
+        return
+    lines += [
         "Try:",
         f"  curl -s {gateway_url}/v1/chat/completions -H 'Content-Type: application/json' \\",
         f"       -d {shlex.quote(body)}",

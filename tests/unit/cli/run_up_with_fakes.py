@@ -1,0 +1,12 @@
+"""Run `maskwire up` with fake_service.py standing in for the real services (for test_up.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from maskwire import up
+from maskwire.cli import main
+
+up.SERVICE_COMMAND = [sys.executable, str(Path(__file__).with_name("fake_service.py"))]
+sys.exit(main(["up", *sys.argv[1:]]))

@@ -1,0 +1,162 @@
+"""`maskwire up` supervising stand-in services: start order, health wait, demo, stop order, deaths."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from maskwire import up
+
+RUNNER = Path(__file__).with_name("run_up_with_fakes.py")
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def start_up(tmp_path: Path, *args: str, **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(RUNNER),
+            "--model",
+            "fake",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "FAKE_EVENTS": str(tmp_path / "events"), **env},
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def events(tmp_path: Path) -> list[str]:
+    return (tmp_path / "events").read_text().splitlines()
+
+
+def order(tmp_path: Path, what: str) -> list[str]:
+    return [e.split()[0] for e in events(tmp_path) if e.split()[1] == what]
+
+
+def test_demo_starts_in_order_sends_request_and_stops_in_reverse(tmp_path: Path) -> None:
+    rc, out, err = finish(start_up(tmp_path, "--demo", "--grammar-replicas", "2"))
+    assert rc == 0, err
+    assert "maskwire is up." in out
+    assert "valid   yes" in out
+    assert '"population": 67000000' in out
+    assert order(tmp_path, "start") == ["grammar-service", "grammar-service", "worker", "gateway"]
+    assert order(tmp_path, "stop") == ["gateway", "worker", "grammar-service", "grammar-service"]
+    # The worker was pointed at both grammar replicas, the gateway at the worker.
+    starts = {e.split()[0]: e for e in events(tmp_path) if " start " in e}
+    grammar_ports = [
+        e.split("--port ")[1].split()[0]
+        for e in events(tmp_path)
+        if e.startswith("grammar-service start")
+    ]
+    worker_args = starts["worker"].split()
+    targets = worker_args[worker_args.index("--grammar-service") + 1].split(",")
+    assert sorted(t.rsplit(":", 1)[1] for t in targets) == sorted(grammar_ports)
+    worker_port = worker_args[worker_args.index("--port") + 1]
+    assert f"--worker 127.0.0.1:{worker_port}" in starts["gateway"]
+    request = json.loads(next(e for e in events(tmp_path) if e.startswith("gateway request"))[16:])
+    assert request["model"] == "fake-model"
+    assert request["response_format"]["json_schema"]["schema"]["required"] == [
+        "name",
+        "capital",
+        "population",
+    ]
+    assert (tmp_path / "logs" / "worker.log").read_text().startswith("fake worker: listening")
+
+
+def test_demo_rejects_an_answer_that_breaks_the_schema(tmp_path: Path) -> None:
+    rc, _, err = finish(start_up(tmp_path, "--demo", FAKE_ANSWER='{"name": "France"}'))
+    assert rc == 1
+    assert "breaks the schema" in err and "capital" in err
+    assert order(tmp_path, "stop") == ["gateway", "worker", "grammar-service"]
+
+
+def wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float = 60) -> str:
+    assert proc.stdout is not None
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen += line
+        if needle in line:
+            return seen
+    raise AssertionError(f"{needle!r} not printed; got:\n{seen}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_everything_in_reverse_order(tmp_path: Path, sig: int) -> None:
+    proc = start_up(tmp_path, "--port", "0", "--worker-port", "0", "--grammar-port", "0")
+    banner = wait_for_line(proc, "Press Ctrl-C to stop.")
+    assert "OpenAI-compatible REST  http://127.0.0.1:" in banner
+    proc.send_signal(sig)
+    rc, _, err = finish(proc)
+    assert rc == 0, err
+    assert order(tmp_path, "stop") == ["gateway", "worker", "grammar-service"]
+    assert f"{signal.Signals(sig).name} received" in err
+    # Service logs were echoed with a prefix (--show-logs is the default without --demo).
+    assert "[worker] fake worker: listening" in err
+
+
+def test_child_death_is_reported_with_its_last_lines(tmp_path: Path) -> None:
+    proc = start_up(
+        tmp_path, "--port", "0", "--worker-port", "0", "--grammar-port", "0", FAKE_CRASH="worker"
+    )
+    rc, _, err = finish(proc)
+    assert rc == 1
+    assert "worker (pid" in err and "died: exit code 3" in err
+    assert "    fake worker: boom, something broke" in err
+    assert "full log:" in err and "worker.log" in err
+    assert order(tmp_path, "stop")[-2:] == ["gateway", "grammar-service"]
+
+
+def test_service_that_never_gets_healthy_times_out(tmp_path: Path) -> None:
+    rc, _, err = finish(
+        start_up(tmp_path, "--demo", "--startup-timeout", "3", FAKE_NEVER_READY="worker")
+    )
+    assert rc == 1
+    assert "worker was not healthy after 3s" in err
+    assert order(tmp_path, "stop") == ["worker", "grammar-service"]
+
+
+def test_busy_port_is_a_clear_error(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc, _, err = finish(start_up(tmp_path, "--port", str(port)))
+    assert rc == 1
+    assert f"127.0.0.1:{port} is already in use (set --port" in err
+
+
+def test_defaults() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    args = parser.parse_args([])
+    assert (args.port, args.worker_port, args.grammar_replicas, args.model, args.host) == (
+        8000,
+        50052,
+        1,
+        "default",
+        "127.0.0.1",
+    )
