@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import functools
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +24,38 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' override: Jinja's own `tojson` HTML-escapes `<`, `>`, `&` and `'`.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(template)
+
+
+def check_template(template: str) -> None:
+    """Raise ChatTemplateError when `template` does not compile (for start-up flag checks)."""
+    try:
+        _compile(template)
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"chat template does not compile: {e}") from e
+
+
 def render_chat(
     template: str,
     messages: Sequence[Mapping[str, Any]],
@@ -38,13 +72,8 @@ def render_chat(
     """
     if not template:
         raise ChatTemplateError("the model has no chat template")
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
     try:
-        compiled = env.from_string(template)
+        compiled = _compile(template)
         return compiled.render(
             messages=[dict(m) for m in messages],
             bos_token=bos_token,
