@@ -1,69 +1,33 @@
-"""Render chat prompts with the model's own Jinja template, the way Hugging Face does.
+"""Chat prompts for the gateway: OpenAI messages and tools -> the model's own Jinja template.
 
-Same environment as `transformers` (sandboxed, `trim_blocks`, `lstrip_blocks`, `loopcontrols`,
-`raise_exception`, `tojson`, `strftime_now`). Templates that do not mention `tools` get the tools
-as a Hermes-style system prompt, earlier calls as `<tool_call>` text and tool results as
-`<tool_response>` user turns, so any ChatML-like template can carry a tool conversation.
+Rendering itself is `maskwire.chat_template` (Hugging Face's environment). Templates that do not
+mention `tools` get the tools as a Hermes-style system prompt, earlier calls as `<tool_call>` text
+and tool results as `<tool_response>` user turns, so any ChatML-like template can carry a tool
+conversation.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
-from functools import lru_cache
 from typing import Any
-
-import jinja2
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gateway import schemas, tools
 from gateway.errors import bad_request, unsupported
+from maskwire.chat_template import ChatTemplateError, check_template, render_chat
 
 
 class TemplateError(Exception):
-    """The template failed to render (raise_exception, a Jinja error)."""
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=8)
-def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    """The template does not compile or failed to render."""
 
 
 class ChatTemplate:
-    """A compiled chat template plus the special tokens it may reference."""
+    """A chat template plus the special tokens it may reference."""
 
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
         try:
-            self.template = _compile(source)
-        except jinja2.TemplateSyntaxError as e:
-            raise TemplateError(f"chat template does not compile: {e}") from e
+            check_template(source)
+        except ChatTemplateError as e:
+            raise TemplateError(str(e)) from e
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -78,17 +42,19 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         extra: dict[str, Any] | None = None,
     ) -> str:
-        variables: dict[str, Any] = {**(extra or {})}
-        variables.update(
-            messages=messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-        )
+        variables: dict[str, Any] = {**(extra or {}), "tools": tools}
+        for reserved in ("messages", "bos_token", "eos_token", "add_generation_prompt"):
+            variables.pop(reserved, None)
         try:
-            return self.template.render(**variables)
-        except jinja2.exceptions.TemplateError as e:
+            return render_chat(
+                self.source,
+                messages,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except ChatTemplateError as e:
             raise TemplateError(str(e)) from e
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise TemplateError(f"{type(e).__name__}: {e}") from e
