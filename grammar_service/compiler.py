@@ -144,9 +144,12 @@ def _parse_json(text: str, field: str) -> Any:
         raise _bad(field, "not valid JSON: nested too deeply") from None
 
 
-def _prepare_schema(value: Any, opts: common_pb2.JsonOptions, field: str) -> dict[str, Any] | bool:
-    if isinstance(value, bool):
-        return value
+def _prepare_schema(value: Any, opts: common_pb2.JsonOptions, field: str) -> dict[str, Any]:
+    # Boolean schemas: `true` is `{}` (which can carry the layout options); `false` admits nothing.
+    if value is True:
+        return {}
+    if value is False:
+        raise _bad(field, "Unsatisfiable schema: the schema is `false`, no value satisfies it")
     if not isinstance(value, dict):
         raise _bad(
             field, f"a JSON Schema must be an object or a boolean, got {type(value).__name__}"
@@ -156,7 +159,7 @@ def _prepare_schema(value: Any, opts: common_pb2.JsonOptions, field: str) -> dic
     return value
 
 
-def _json_grammar(schema: dict[str, Any] | bool, opts: common_pb2.JsonOptions) -> str:
+def _json_grammar(schema: dict[str, Any], opts: common_pb2.JsonOptions) -> str:
     # Our options are llguidance's *defaults*: a schema's own `x-guidance` keyword refines them.
     return str(
         llguidance.LLMatcher.grammar_from_json_schema(
