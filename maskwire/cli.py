@@ -24,12 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name is None or not module.startswith(e.name):
-                raise
-            continue
+        mod = importlib.import_module(module)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser
@@ -37,11 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    run = getattr(args, "_run", None)
-    if run is None:
-        print(f"maskwire {args.command}: not available in this build", file=sys.stderr)
-        return 2
-    return int(run(args) or 0)
+    return int(args._run(args) or 0)
 
 
 if __name__ == "__main__":
