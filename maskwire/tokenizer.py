@@ -236,13 +236,12 @@ _PRE_TOKENIZERS: dict[str, list[dict[str, Any]]] = {
 
 
 def _from_gguf(path: Path, name: str) -> Tokenizer:
-    import gguf
+    from maskwire.gguf_file import GGUFFile
 
-    reader = gguf.GGUFReader(str(path))
+    metadata = GGUFFile(path).metadata
 
     def field_value(key: str, default: Any = None) -> Any:
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
+        return metadata.get(key, default)
 
     model = field_value("tokenizer.ggml.model")
     if model != "gpt2":
