@@ -134,7 +134,7 @@ def test_draft_rows_validate_and_mask_each_position(
     k = 3
     drafts = toks[k : k + 4]
     wrong = text_tokens(smollm, "]")[0]
-    res = client.step([row("s", k, toks[:k], drafts + [wrong, toks[k + 4]])])
+    res = client.step([row("s", k, toks[:k], [*drafts, wrong, toks[k + 4]])])
     r = res.rows[0]
     assert r.status == OK and r.accepted_drafts == 4 and r.mask_rows == 5 and r.position == k
     got = masks(res)
@@ -281,12 +281,15 @@ def test_compile_every_kind_and_cache(
         common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=["a", "b"])),
         common_pb2.Constraint(structural_tags=tags),
     ]
+    ids = []
     for c in kinds:
         first = stub.Compile(grammar_pb2.CompileRequest(constraint=c))
         again = stub.Compile(
             grammar_pb2.CompileRequest(constraint=c, tokenizer=smollm.fingerprint.to_proto())
         )
         assert first.grammar_id == again.grammar_id and again.cached and again.compile_ms == 0
+        ids.append(first.grammar_id)
+    assert len(set(ids)) == len(kinds)
     # Options are part of the key.
     flex = common_pb2.Constraint(
         json_schema=json.dumps(SCHEMA),
