@@ -1,0 +1,85 @@
+"""Scheduler: bounded queue, slot reuse, buckets, prefill budget."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from maskwire.rpc import RpcError
+from neuron_worker.detokenize import Detokenizer
+from neuron_worker.request import Request, Sampling, State
+from neuron_worker.scheduler import Scheduler, bucket_for, parse_buckets, pow2_buckets
+
+
+def make(i: int, n_prompt: int = 4) -> Request:
+    return Request(
+        request_id=f"r{i}",
+        prompt=[1] * n_prompt,
+        sampling=Sampling(max_tokens=4),
+        detok=Detokenizer(lambda t: b"x"),
+    )
+
+
+def sched(**kw: int) -> Scheduler:
+    args = dict(max_batch=2, max_queue=2, max_seq_len=256, max_prefill_tokens=4096)
+    args.update(kw)
+    return Scheduler(
+        batch_buckets=pow2_buckets(1, args["max_batch"]),
+        seq_buckets=pow2_buckets(64, args["max_seq_len"]),
+        **args,
+    )
+
+
+def test_buckets() -> None:
+    assert pow2_buckets(1, 8) == [1, 2, 4, 8]
+    assert pow2_buckets(128, 300) == [128, 256, 300]
+    assert parse_buckets("3, 1,16", 8, 1) == [1, 3, 8]
+    assert parse_buckets("", 6, 1) == [1, 2, 4, 6]
+    assert bucket_for([1, 2, 4], 3) == 4
+    with pytest.raises(ValueError):
+        bucket_for([1, 2, 4], 5)
+    with pytest.raises(ValueError):
+        parse_buckets("0,2", 8, 1)
+
+
+def test_queue_full_is_resource_exhausted() -> None:
+    s = sched()
+    s.enqueue(make(0))
+    s.enqueue(make(1))
+    with pytest.raises(RpcError) as e:
+        s.enqueue(make(2))
+    assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_admission_fills_free_slots_and_release_reuses_them() -> None:
+    s = sched()
+    reqs = [make(i) for i in range(2)]
+    for r in reqs:
+        s.enqueue(r)
+    admitted = s.admit()
+    assert admitted == reqs and {r.slot for r in reqs} == {0, 1}
+    assert all(r.state is State.RUNNING for r in reqs)
+    late = make(9)
+    s.enqueue(late)
+    assert s.admit() == []  # no free slot
+    slot = reqs[0].slot
+    s.release(reqs[0])
+    assert reqs[0].state is State.FINISHED and reqs[0].slot == -1
+    assert s.admit() == [late] and late.slot == slot
+
+
+def test_release_of_waiting_request_leaves_the_queue() -> None:
+    s = sched()
+    r = make(0)
+    s.enqueue(r)
+    s.release(r)
+    assert s.queue_depth == 0 and r.finished
+
+
+def test_prefill_budget_splits_admission_but_always_admits_one() -> None:
+    s = sched(max_batch=4, max_queue=8, max_prefill_tokens=64)
+    big = [make(i, n_prompt=60) for i in range(3)]
+    for r in big:
+        s.enqueue(r)
+    assert s.admit() == big[:1]  # one 64-token row fits; two would be 128
+    assert s.admit() == big[1:2]
