@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from grammar_service.compiler import ParserLimits, compile_constraint, to_grammar
+from maskwire.rpc import RpcError
+from maskwire.tokenizer import Tokenizer, load_tokenizer
+from maskwire.v1 import common_pb2
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return load_tokenizer("default")
+
+
+def test_json_defaults_are_compact(tok: Tokenizer) -> None:
+    g = json.loads(to_grammar(common_pb2.Constraint(json_schema='{"type": "object"}'), tok))
+    opts = g["grammars"][0]["json_schema"]["x-guidance"]
+    assert opts["whitespace_flexible"] is False
+    assert (opts["item_separator"], opts["key_separator"]) == (", ", ": ")
+    flex = common_pb2.Constraint(
+        json_object=True, json_options=common_pb2.JsonOptions(whitespace_flexible=True)
+    )
+    opts = json.loads(to_grammar(flex, tok))["grammars"][0]["json_schema"]["x-guidance"]
+    assert opts["whitespace_flexible"] is True and opts["item_separator"] == ","
+
+
+def test_structural_tags_use_lazy_trigger_for_non_special_text(tok: Tokenizer) -> None:
+    st = common_pb2.StructuralTags(
+        triggers=["<tool_call>"],
+        tags=[common_pb2.StructuralTag(begin="<tool_call>", json_schema="{}", end="</tool_call>")],
+    )
+    lark = to_grammar(common_pb2.Constraint(structural_tags=st), tok)
+    assert '"<tool_call>"' in lark and "[lazy]" in lark  # not a special-token reference
+    st2 = common_pb2.StructuralTags(
+        triggers=["<|im_start|>"],
+        tags=[common_pb2.StructuralTag(begin="<|im_start|>", json_schema="{}", end="")],
+    )
+    lark2 = to_grammar(common_pb2.Constraint(structural_tags=st2), tok)
+    assert "TAG_TEXT <|im_start|>" in lark2  # a real special token of SmolLM2
+
+
+@pytest.mark.parametrize(
+    ("constraint", "field"),
+    [
+        (common_pb2.Constraint(json_schema="[1]"), "constraint.json_schema"),
+        (
+            common_pb2.Constraint(json_schema='{"minimum": "x", "type": "integer"}'),
+            "constraint.json_schema",
+        ),
+        (
+            common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=["a", ""])),
+            "constraint.choice.choices[1]",
+        ),
+        (common_pb2.Constraint(json_object=False), "constraint.json_object"),
+        (
+            common_pb2.Constraint(
+                structural_tags=common_pb2.StructuralTags(
+                    triggers=["<x>"], tags=[common_pb2.StructuralTag(begin="<y>", json_schema="{}")]
+                )
+            ),
+            "constraint.structural_tags.tags[0].begin",
+        ),
+    ],
+)
+def test_errors_are_field_violations(
+    tok: Tokenizer, constraint: common_pb2.Constraint, field: str
+) -> None:
+    with pytest.raises(RpcError) as info:
+        compile_constraint(constraint, tok, ParserLimits())
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.violations[0][0] == field
