@@ -63,20 +63,18 @@ class WorkerPool:
         health_timeout_s: float = 2.0,
         on_health: Callable[[str, bool], None] | None = None,
     ) -> None:
-        if not addresses:
+        self.addresses = parse_addresses(addresses)
+        if not self.addresses:
             raise ValueError("at least one worker address is needed")
-        self.addresses = list(addresses)
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.on_health = on_health
         self.endpoints: list[WorkerEndpoint] = []
         self._rr = itertools.count()
         self._task: asyncio.Task[None] | None = None
-        self._last_check = 0.0
-        self._check_lock: asyncio.Lock | None = None
+        self._checking: asyncio.Future[list[None]] | None = None
 
     async def start(self) -> None:
-        self._check_lock = asyncio.Lock()
         for a in self.addresses:
             ch = grpc.aio.insecure_channel(a, options=channel_options())
             self.endpoints.append(
@@ -104,10 +102,12 @@ class WorkerPool:
                 log.exception("worker health check failed")
 
     async def check_all(self) -> None:
-        assert self._check_lock is not None
-        async with self._check_lock:
-            await asyncio.gather(*(self._check(ep) for ep in self.endpoints))
-            self._last_check = time.monotonic()
+        """Check every worker now; concurrent callers share one round of checks."""
+        if self._checking is None or self._checking.done():
+            self._checking = asyncio.ensure_future(
+                asyncio.gather(*(self._check(ep) for ep in self.endpoints))
+            )
+        await asyncio.shield(self._checking)
 
     async def _check(self, ep: WorkerEndpoint) -> None:
         was = ep.healthy
@@ -139,11 +139,8 @@ class WorkerPool:
             self.on_health(ep.address, False)
 
     async def _refresh_if_none_healthy(self) -> None:
-        # A gateway started before its workers must not wait a full interval to notice them.
-        if (
-            not any(ep.healthy for ep in self.endpoints)
-            and time.monotonic() - self._last_check > 0.5
-        ):
+        # Workers that came up (or back) since the last round must not wait a full interval.
+        if not any(ep.healthy for ep in self.endpoints):
             await self.check_all()
 
     async def model_info(self) -> worker_pb2.ModelInfo:
