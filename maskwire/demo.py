@@ -16,7 +16,7 @@ SCHEMA: dict[str, Any] = {
     "properties": {
         "name": {"type": "string", "maxLength": 40},
         "capital": {"type": "string", "maxLength": 40},
-        "population": {"type": "integer", "minimum": 0},
+        "population": {"type": "integer", "minimum": 0, "maximum": 2_000_000_000},
     },
     "required": ["name", "capital", "population"],
     "additionalProperties": False,
