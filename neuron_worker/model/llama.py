@@ -204,6 +204,15 @@ class Transformer(nn.Module):
         self.rope_sin = sin.to(weight.device, weight.dtype)
         self.max_batch, self.max_seq = max_batch, max_seq
 
+    def kv_caches(self) -> list[KVCache]:
+        """Each layer's cache (empty before `setup_caches`)."""
+        caches = []
+        for layer in self.layers:
+            assert isinstance(layer, TransformerBlock)
+            if layer.attention.kv_cache is not None:
+                caches.append(layer.attention.kv_cache)
+        return caches
+
     def forward(
         self, tokens: Tensor, input_pos: Tensor, cache_slots: Tensor, kv_len: int
     ) -> Tensor:

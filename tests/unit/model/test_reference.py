@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from maskwire.tokenizer import embedded_model_path, load_tokenizer
 from neuron_worker.model import Transformer, load_model
 
 log = logging.getLogger(__name__)
+RecordProperty = Callable[[str, object], None]
 
 # A correct implementation matches within ~5e-5 on logits of magnitude ~40 (float reduction order).
 TOLERANCE = 1e-3
@@ -49,7 +51,7 @@ def ref_logits(reference: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return reference(torch.tensor([ids])).logits[0].float()
 
 
-def report(record_property: pytest.RecordProperty, name: str, diff: float) -> None:
+def report(record_property: RecordProperty, name: str, diff: float) -> None:
     record_property(name, diff)
     log.warning("%s: max |logits - transformers| = %.3g", name, diff)
 
@@ -59,7 +61,7 @@ def test_prefill_logits_match(
     reference: torch.nn.Module,
     model: Transformer,
     prompt_ids: list[list[int]],
-    record_property: pytest.RecordProperty,
+    record_property: RecordProperty,
 ) -> None:
     worst = 0.0
     for ids in prompt_ids:
@@ -76,7 +78,7 @@ def test_batched_prefill_then_decode_match(
     reference: torch.nn.Module,
     model: Transformer,
     prompt_ids: list[list[int]],
-    record_property: pytest.RecordProperty,
+    record_property: RecordProperty,
 ) -> None:
     """All prompts in one padded batch (slots 3, 1, 2), then 4 batched decode steps fed the
     reference's greedy tokens; every logits row is compared to transformers on the full text."""

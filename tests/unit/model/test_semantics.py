@@ -72,8 +72,8 @@ def test_padding_is_not_written_and_outputs_stay_finite() -> None:
     pos[1, 0] = -1
     hidden = model(tokens, pos, torch.tensor([1, 3]), 8)
     assert torch.isfinite(hidden).all()
-    for layer in model.layers:
-        cache = layer.attention.kv_cache
+    assert len(model.kv_caches()) == TINY.n_layers
+    for cache in model.kv_caches():
         for buf in (cache.k_cache, cache.v_cache):
             visible = buf[:, :, : model.max_seq]
             assert visible[1, :, :3].abs().sum() > 0  # written
