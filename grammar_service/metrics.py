@@ -31,6 +31,5 @@ ROWS_PER_STEP = Histogram(
     "Rows (requests) in one Step message.",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
 )
-ROW_RESULTS = Counter("maskwire_grammar_row_results_total", "Step rows by status.", ["status"])
 LIVE_SESSIONS = Gauge("maskwire_grammar_live_sessions", "Open Session streams.")
 LIVE_REQUESTS = Gauge("maskwire_grammar_live_requests", "Requests open across all streams.")
