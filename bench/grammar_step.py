@@ -1,0 +1,451 @@
+"""One grammar step for B rows: in-process llguidance vs the grammar service over a Session stream.
+
+Tekken tokenizer (131,072 tokens, 16 KB mask rows), MaskBench JSON schemas, rows starting inside
+strings and between keys. Every step advances each row by one token of a valid instance and asks
+for its next mask. Measured in the same run:
+
+* `inprocess`: llguidance consume (`consume_token_par` for B >= 8) + `LLExecutor` mask fill into
+  a preallocated buffer: the floor any wrapper pays.
+* `service`: a grpc.aio client in this process, the service in its own process: one Step
+  round trip (serialize, loopback transport, service Python, mask fill, answer, parse).
+* `echo`: a bare grpc.aio bidi echo of a message of the same size between the same two kinds of
+  process (the transport floor).
+* breakdown: `Session.step` in-process (service Python + fill, no gRPC), fill alone, and
+  serialization + parsing of the request and answer.
+
+Writes bench/results/grammar_step.json and .png. Usage: python bench/grammar_step.py [--iters N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import llguidance
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from grammar_service.backend import LlgBackend  # noqa: E402
+from grammar_service.compile_cache import CompileCache  # noqa: E402
+from grammar_service.compiler import Compiler, ParserLimits  # noqa: E402
+from grammar_service.runtime import Limits, Runtime  # noqa: E402
+from grammar_service.session import Session  # noqa: E402
+from maskwire.rpc import channel_options  # noqa: E402
+from maskwire.tokenizer import Tokenizer, load_tokenizer, tekken_path  # noqa: E402
+from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc  # noqa: E402
+from tests.support.processes import ServiceProcess, free_port  # noqa: E402
+
+TESTDATA = ROOT.parent / "shared" / "testdata" / "maskbench"
+BATCHES = (1, 8, 32, 64)
+COMPACT = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": True,
+}
+ECHO_METHOD = "/bench.Echo/Echo"
+
+
+# -- workload ----------------------------------------------------------------------------------
+
+
+def workload(tok: Tokenizer, n_rows: int, min_left: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Rows: (schema, instance tokens, start offset), half inside strings, half between keys."""
+    rng = random.Random(seed)
+    candidates = []
+    for path in sorted((TESTDATA / "instances").glob("*.jsonl.gz")):
+        with gzip.open(path, "rt") as f:
+            for line in f:
+                entry = json.loads(line)
+                schema = (TESTDATA / entry["schema_file"]).read_text()
+                g = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT)  # type: ignore[arg-type]
+                if llguidance.LLMatcher.validate_grammar(g, tok.ll):
+                    continue
+                for t in entry["tests"]:
+                    if not t["valid"]:
+                        continue
+                    text = json.dumps(t["data"], ensure_ascii=False)
+                    toks = list(tok.ll.tokenize_str(text))
+                    m = llguidance.LLMatcher(tok.ll, g, log_level=0)
+                    if len(toks) < min_left + 8 or not m.consume_tokens(toks):
+                        continue
+                    candidates.append((schema, g, text, toks))
+    rows: list[dict[str, Any]] = []
+    rng.shuffle(candidates)
+    i = 0
+    while len(rows) < n_rows:
+        schema, g, text, toks = candidates[i % len(candidates)]
+        i += 1
+        kinds = {"string": [], "between_keys": []}
+        for s in range(1, len(toks) - min_left):
+            prefix = tok.ll.decode_bytes(toks[:s]).decode(errors="replace")
+            if prefix.endswith((", ", "{")) and prefix.rstrip().endswith((",", "{")):
+                kinds["between_keys"].append(s)
+            elif _inside_string(prefix):
+                kinds["string"].append(s)
+        want = "string" if len(rows) % 2 == 0 else "between_keys"
+        choices = kinds[want] or kinds["string"] or kinds["between_keys"]
+        if not choices:
+            continue
+        rows.append(
+            {
+                "schema": schema,
+                "grammar": g,
+                "tokens": toks,
+                "start": rng.choice(choices),
+                "kind": want,
+            }
+        )
+    return rows
+
+
+def _inside_string(prefix: str) -> bool:
+    inside = False
+    esc = False
+    for ch in prefix:
+        if esc:
+            esc = False
+        elif ch == "\\":
+            esc = True
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
+# -- in-process baseline -------------------------------------------------------------------------
+
+
+def bench_inprocess(
+    tok: Tokenizer, rows: list[dict[str, Any]], iters: int, warmup: int
+) -> dict[str, Any]:
+    w = tok.words_per_row
+    ex = llguidance.LLExecutor()
+    buf = np.zeros((len(rows), w), dtype=np.int32)
+    matchers = []
+    for r in rows:
+        m = llguidance.LLMatcher(tok.ll, r["grammar"], log_level=0)
+        assert m.consume_tokens(r["tokens"][: r["start"]])
+        matchers.append(m)
+    pos = [r["start"] for r in rows]
+    times, fill_times = [], []
+    for it in range(warmup + iters):
+        for k, r in enumerate(rows):  # wrap (untimed): back to the start state
+            if pos[k] >= len(r["tokens"]):
+                matchers[k].rollback(pos[k] - r["start"])
+                pos[k] = r["start"]
+        t0 = time.perf_counter()
+        pairs = [(matchers[k], rows[k]["tokens"][pos[k]]) for k in range(len(rows))]
+        if len(pairs) >= LlgBackend.PAR_CONSUME_MIN:
+            oks = ex.consume_token_par(pairs)
+        else:
+            oks = [m.consume_token(t) for m, t in pairs]
+        t1 = time.perf_counter()
+        ex.unsafe_compute_mask_ptr(
+            [(m, k) for k, m in enumerate(matchers)], buf.ctypes.data, w * 4, len(rows)
+        )
+        t2 = time.perf_counter()
+        assert all(oks)
+        for k in range(len(rows)):
+            pos[k] += 1
+        if it >= warmup:
+            times.append(t2 - t0)
+            fill_times.append(t2 - t1)
+    return {"step": stats(times), "fill": stats(fill_times)}
+
+
+# -- Session.step without gRPC -------------------------------------------------------------------
+
+
+async def bench_session_pure(
+    tok: Tokenizer, rows: list[dict[str, Any]], iters: int, warmup: int
+) -> dict[str, Any]:
+    rt = Runtime(
+        tokenizers=[tok],
+        compiler=Compiler(limits=ParserLimits()),
+        cache=CompileCache(64),
+        backend=LlgBackend(),
+        limits=Limits(),
+    )
+    s = Session(rt)
+    fp = tok.fingerprint.to_proto()
+    for k, r in enumerate(rows):
+        opened = await s.open(open_msg(k, r, fp))
+        assert not opened.HasField("error"), opened.error
+    pos = [r["start"] for r in rows]
+    times, ser, parse = [], [], []
+    for it in range(warmup + iters):
+        for k, r in enumerate(rows):
+            if pos[k] >= len(r["tokens"]):
+                s.close(grammar_pb2.Close(request_id=f"r{k}"))
+                await s.open(open_msg(k, r, fp))
+                pos[k] = r["start"]
+        msg = step_msg(it, rows, pos)
+        t0 = time.perf_counter()
+        res = s.step(msg)
+        t1 = time.perf_counter()
+        wire_req = grammar_pb2.SessionRequest(step=msg).SerializeToString()
+        out = grammar_pb2.SessionResponse(step_result=res)
+        t2 = time.perf_counter()
+        wire = out.SerializeToString()
+        t3 = time.perf_counter()
+        grammar_pb2.SessionResponse.FromString(wire)
+        grammar_pb2.SessionRequest.FromString(wire_req)
+        t4 = time.perf_counter()
+        assert all(r.status == grammar_pb2.ROW_STATUS_OK for r in res.rows)
+        for k in range(len(rows)):
+            pos[k] += 1
+        if it >= warmup:
+            times.append(t1 - t0)
+            ser.append(t3 - t2)
+            parse.append(t4 - t3)
+    return {
+        "session_step": stats(times),
+        "serialize_answer": stats(ser),
+        "parse_both": stats(parse),
+        "answer_bytes": len(wire),
+        "request_bytes": len(wire_req),
+    }
+
+
+def open_msg(k: int, r: dict[str, Any], fp: common_pb2.TokenizerFingerprint) -> grammar_pb2.Open:
+    return grammar_pb2.Open(
+        request_id=f"r{k}",
+        constraint=common_pb2.Constraint(
+            json_schema=r["schema"], json_options=common_pb2.JsonOptions(lenient=True)
+        ),
+        tokenizer=fp,
+        replay_tokens=r["tokens"][: r["start"]],
+    )
+
+
+def step_msg(it: int, rows: list[dict[str, Any]], pos: list[int]) -> grammar_pb2.Step:
+    return grammar_pb2.Step(
+        step=it + 1,
+        rows=[
+            grammar_pb2.StepRow(
+                request_id=f"r{k}", new_tokens=[r["tokens"][pos[k]]], position=pos[k] + 1
+            )
+            for k, r in enumerate(rows)
+        ],
+    )
+
+
+# -- over gRPC -----------------------------------------------------------------------------------
+
+
+async def bench_service(
+    address: str, tok: Tokenizer, rows: list[dict[str, Any]], iters: int, warmup: int
+) -> dict[str, Any]:
+    fp = tok.fingerprint.to_proto()
+    async with grpc.aio.insecure_channel(address, options=channel_options()) as ch:
+        call = grammar_pb2_grpc.GrammarServiceStub(ch).Session()
+
+        async def send(m: grammar_pb2.SessionRequest) -> grammar_pb2.SessionResponse:
+            await call.write(m)
+            return await call.read()  # type: ignore[no-any-return]
+
+        for k, r in enumerate(rows):
+            resp = await send(grammar_pb2.SessionRequest(open=open_msg(k, r, fp)))
+            assert not resp.opened.HasField("error"), resp.opened.error
+        pos = [r["start"] for r in rows]
+        times = []
+        for it in range(warmup + iters):
+            for k, r in enumerate(rows):
+                if pos[k] >= len(r["tokens"]):
+                    await send(
+                        grammar_pb2.SessionRequest(close=grammar_pb2.Close(request_id=f"r{k}"))
+                    )
+                    await send(grammar_pb2.SessionRequest(open=open_msg(k, r, fp)))
+                    pos[k] = r["start"]
+            t0 = time.perf_counter()
+            msg = grammar_pb2.SessionRequest(step=step_msg(it, rows, pos))
+            res = (await send(msg)).step_result
+            t1 = time.perf_counter()
+            assert len(res.bitmask) == len(rows) * tok.words_per_row * 4
+            for k in range(len(rows)):
+                pos[k] += 1
+            if it >= warmup:
+                times.append(t1 - t0)
+        await call.done_writing()
+    return {"step": stats(times)}
+
+
+async def bench_echo(address: str, size: int, iters: int, warmup: int) -> dict[str, Any]:
+    payload = os.urandom(size)
+    async with grpc.aio.insecure_channel(address, options=channel_options()) as ch:
+        call = ch.stream_stream(ECHO_METHOD)()
+        times = []
+        for it in range(warmup + iters):
+            t0 = time.perf_counter()
+            await call.write(payload)
+            got = await call.read()
+            t1 = time.perf_counter()
+            assert len(got) == size
+            if it >= warmup:
+                times.append(t1 - t0)
+        await call.done_writing()
+    return {"step": stats(times), "bytes": size}
+
+
+async def echo_server(port: int) -> None:
+    async def echo(it: Any, context: Any) -> Any:
+        async for m in it:
+            yield m
+
+    server = grpc.aio.server(options=channel_options())
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(echo)}
+    )
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print("ready", flush=True)
+    await server.wait_for_termination()
+
+
+# -- reporting -----------------------------------------------------------------------------------
+
+
+def stats(xs: list[float]) -> dict[str, float]:
+    a = np.array(xs) * 1e6
+    return {
+        "p50_us": float(np.percentile(a, 50)),
+        "p99_us": float(np.percentile(a, 99)),
+        "mean_us": float(a.mean()),
+        "n": len(xs),
+    }
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bs = [r["B"] for r in results["batches"]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    x = np.arange(len(bs))
+    wd = 0.27
+    for j, (key, label) in enumerate(
+        [
+            ("inprocess", "in-process llguidance"),
+            ("service", "grammar service (gRPC)"),
+            ("echo", "bare gRPC echo, same bytes"),
+        ]
+    ):
+        p50 = [r[key]["step"]["p50_us"] for r in results["batches"]]
+        p99 = [r[key]["step"]["p99_us"] for r in results["batches"]]
+        ax1.bar(x + (j - 1) * wd, p50, wd, label=label)
+        ax1.scatter(x + (j - 1) * wd, p99, marker="_", color="k", s=120)
+    ax1.set_xticks(x, [f"B={b}" for b in bs])
+    ax1.set_ylabel("µs per step (bar p50, tick p99)")
+    ax1.set_title("One grammar step, Tekken 131k vocab")
+    ax1.legend()
+    parts = ["fill", "service_python", "serialization", "transport"]
+    bottom = np.zeros(len(bs))
+    for part in parts:
+        vals = np.array([r["breakdown_p50_us"][part] for r in results["batches"]])
+        ax2.bar(x, vals, 0.5, bottom=bottom, label=part)
+        bottom += vals
+    ax2.set_xticks(x, [f"B={b}" for b in bs])
+    ax2.set_ylabel("µs (p50)")
+    ax2.set_title("Where the service's step time goes")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    tok = load_tokenizer(str(tekken_path()))
+    svc = ServiceProcess("grammar-service", ["--tokenizer", str(tekken_path())], free_port())
+    echo_port = free_port()
+    echo = subprocess.Popen(
+        [sys.executable, __file__, "--echo-server", str(echo_port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert echo.stdout is not None and echo.stdout.readline().strip() == "ready"
+        svc.wait_ready()
+        all_rows = workload(tok, max(BATCHES), min_left=8)
+        out: dict[str, Any] = {
+            "tokenizer": "tekken_240911 (V=131072)",
+            "iters": args.iters,
+            "machine": f"{platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}",
+            "llguidance": llguidance.get_version() if hasattr(llguidance, "get_version") else "",
+            "batches": [],
+        }
+        for b in BATCHES:
+            rows = all_rows[:b]
+            inproc = bench_inprocess(tok, rows, args.iters, args.warmup)
+            pure = await bench_session_pure(tok, rows, args.iters, args.warmup)
+            service = await bench_service(svc.address, tok, rows, args.iters, args.warmup)
+            echo_res = await bench_echo(
+                f"127.0.0.1:{echo_port}", pure["answer_bytes"], args.iters, args.warmup
+            )
+            fill = inproc["fill"]["p50_us"]
+            py = max(0.0, pure["session_step"]["p50_us"] - fill)
+            ser = pure["serialize_answer"]["p50_us"] + pure["parse_both"]["p50_us"]
+            transport = max(0.0, service["step"]["p50_us"] - pure["session_step"]["p50_us"] - ser)
+            rec = {
+                "B": b,
+                "inprocess": inproc,
+                "session_pure": pure,
+                "service": service,
+                "echo": echo_res,
+                "overhead_p50_us": service["step"]["p50_us"] - inproc["step"]["p50_us"],
+                "ratio_p50": service["step"]["p50_us"] / inproc["step"]["p50_us"],
+                "breakdown_p50_us": {
+                    "fill": fill,
+                    "service_python": py,
+                    "serialization": ser,
+                    "transport": transport,
+                },
+            }
+            out["batches"].append(rec)
+            print(
+                f"B={b:3d} inproc p50 {inproc['step']['p50_us']:8.0f} p99 {inproc['step']['p99_us']:8.0f} | "
+                f"service p50 {service['step']['p50_us']:8.0f} p99 {service['step']['p99_us']:8.0f} | "
+                f"echo p50 {echo_res['step']['p50_us']:6.0f} | ratio {rec['ratio_p50']:.2f} "
+                f"over {rec['overhead_p50_us']:.0f} µs | breakdown {rec['breakdown_p50_us']}",
+                flush=True,
+            )
+        return out
+    finally:
+        echo.terminate()
+        echo.wait()
+        svc.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--echo-server", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "grammar_step.json")
+    args = p.parse_args()
+    if args.echo_server:
+        asyncio.run(echo_server(args.echo_server))
+        return
+    results = asyncio.run(run(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    plot(results, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
