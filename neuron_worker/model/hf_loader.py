@@ -4,6 +4,7 @@ run the same model through both loaders)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -59,6 +60,7 @@ def _hf_name(canonical: str) -> str:
 
 def load_hf(path: Path, name: str) -> tuple[ModelConfig, dict[str, Tensor]]:
     """Read a HF checkpoint directory: (config, canonical weights on CPU in the stored dtype)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     config_file = path / "config.json"
@@ -67,18 +69,27 @@ def load_hf(path: Path, name: str) -> tuple[ModelConfig, dict[str, Tensor]]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights (only safetensors is supported)")
-    cfg: dict[str, Any] = json.loads(config_file.read_text())
+    try:
+        cfg: dict[str, Any] = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{config_file}: invalid JSON ({e})") from e
+    config = config_from_hf(cfg, name)
     tensors: dict[str, Tensor] = {}
     for f in files:
-        for key, value in load_file(str(f)).items():
+        try:
+            loaded = load_file(str(f))
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{f}: unreadable safetensors file ({e})") from e
+        for key, value in loaded.items():
             canonical = _canonical_name(key)
             if canonical is not None:
                 tensors[canonical] = value
     if "tok_embeddings.weight" not in tensors:
         raise ModelLoadError(f"{path}: no model.embed_tokens.weight in the safetensors files")
-    if "output.weight" not in tensors:
-        cfg["tie_word_embeddings"] = True  # no head stored: it is the embedding
-    config = config_from_hf(cfg, name)
+    if "output.weight" not in tensors and not config.tie_embeddings:
+        config = dataclasses.replace(
+            config, tie_embeddings=True
+        )  # no head stored: it is the embedding
     if config.tie_embeddings:
         tensors.pop("output.weight", None)
     return config, tensors

@@ -6,13 +6,13 @@ import jinja2.sandbox
 import pytest
 
 from maskwire.tokenizer import Tokenizer, load_tokenizer
-from neuron_worker.model import Transformer, load_model
+from neuron_worker.model import Transformer
 from neuron_worker.model.greedy import greedy_generate
 
 
 @pytest.fixture(scope="module")
-def model() -> Transformer:
-    m = load_model("default")
+def model(smollm: Transformer) -> Transformer:
+    m = smollm
     m.setup_caches(max_batch=1, max_seq=128)
     return m
 

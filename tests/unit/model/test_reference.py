@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from maskwire.tokenizer import embedded_model_path, load_tokenizer
-from neuron_worker.model import Transformer, load_model
+from neuron_worker.model import Transformer
 
 log = logging.getLogger(__name__)
 RecordProperty = Callable[[str, object], None]
@@ -34,8 +34,8 @@ def reference() -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def model() -> Transformer:
-    m = load_model("default")
+def model(smollm: Transformer) -> Transformer:
+    m = smollm
     m.setup_caches(max_batch=4, max_seq=128)
     return m
 
