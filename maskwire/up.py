@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         "gateway",
         ports.gateway,
         ["--worker", addr(ports.worker)],
-        lambda: http_healthy(f"{gateway_url}/health"),
+        lambda: http_healthy(f"{gateway_url}/ready"),
     )
     tiers = [grammar, [worker], [gateway]]
     everyone = [*grammar, worker, gateway]

@@ -74,7 +74,7 @@ def _http(host: str, port: int, ready: bool) -> ThreadingHTTPServer:
             self.wfile.write(data)
 
         def do_GET(self) -> None:
-            if self.path == "/health":
+            if self.path in ("/health", "/ready"):
                 self._send(200 if ready else 503, {"status": "ok" if ready else "starting"})
             elif self.path == "/v1/models":
                 self._send(200, {"object": "list", "data": [{"id": "fake-model"}]})

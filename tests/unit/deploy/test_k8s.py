@@ -132,8 +132,9 @@ def test_probes(rendered) -> None:
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == port, (name, probe)
     gw = _container(objs, "gateway")
-    assert gw["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert gw["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert gw["readinessProbe"]["httpGet"]["port"] == "http"
+    assert gw["livenessProbe"]["httpGet"]["path"] == "/health"
 
 
 def test_resources_and_graceful_termination(rendered) -> None:
