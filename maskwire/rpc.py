@@ -85,7 +85,7 @@ class RpcError(Exception):
     @classmethod
     def from_call_error(cls, err: grpc.aio.AioRpcError) -> RpcError:
         """Recover rich details from a failed call (falls back to code + message)."""
-        status = rpc_status.from_call(err)  # type: ignore[arg-type]
+        status = rpc_status.from_call(err)
         if status is not None:
             return cls.from_status(status)
         return cls(err.code(), err.details() or "")
