@@ -179,8 +179,10 @@ def describe_rpc_error(err: grpc.RpcError, worker: str) -> str:
             "start one with `maskwire up` or pass --worker HOST:PORT"
         )
     line = f"{rich.code.name}: {rich.message or 'no details'}"
-    if rich.violations:
-        line += " [" + "; ".join(f"{f}: {d}" if f else d for f, d in rich.violations) + "]"
+    # Field violations add what the message does not already say.
+    extra = [f"{f}: {d}" if f else d for f, d in rich.violations if d not in rich.message]
+    if extra:
+        line += " [" + "; ".join(extra) + "]"
     return line
 
 
@@ -333,11 +335,9 @@ def _summarize(
         usage = last.usage if last is not None else None
         forced = f" ({usage.forced_tokens} forced)" if usage and usage.forced_tokens else ""
         elapsed = time.monotonic() - progress.start
-        print(
-            f"-- {progress.tokens} tokens{forced} in {elapsed:.2f}s, {progress.rate():.1f} tok/s, "
-            f"finish: {reason}",
-            file=sys.stderr,
-        )
+        count = f"{progress.tokens} token{'s' if progress.tokens != 1 else ''}"
+        rate = f", {progress.rate():.1f} tok/s" if progress.tokens > 1 else ""
+        print(f"-- {count}{forced} in {elapsed:.2f}s{rate}, finish: {reason}", file=sys.stderr)
     if finish == worker_pb2.FINISH_REASON_LENGTH:
         print(
             f"maskwire generate: warning: stopped at --max-tokens {args.max_tokens}; "
