@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from gateway.generation import (
     WorkerStream,
     check_common,
     check_model,
+    event_stream,
     finish_reason,
     new_id,
     sampling,
@@ -119,8 +119,10 @@ async def handle(
         )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            released = True  # the stream body releases the slot
-            return sse.response(_stream(ctx, stream, plan, rid, created, req.model, include_usage))
+            released = True  # the response's cleanup releases the slot
+            return event_stream(
+                ctx, stream, _stream(ctx, stream, plan, rid, created, req.model, include_usage)
+            )
         body = await unless_disconnected(request, _collect(stream, plan, rid, created, req.model))
         return JSONResponse(body)
     finally:
@@ -201,7 +203,6 @@ async def _stream(
 
     parser = plan.parser()
     calls = 0
-    started = time.monotonic()
     try:
         yield chunk({"role": "assistant", "content": ""})
         async for msg in stream:
@@ -225,14 +226,9 @@ async def _stream(
                 }
             )
         yield sse.DONE
+        stream.done = True
         if calls:
             ctx.metrics.tool_calls.labels(plan.mode.value).inc(calls)
     except errors.APIError as e:
+        stream.done = True
         yield sse.event(e.body())
-    except (asyncio.CancelledError, GeneratorExit):
-        ctx.metrics.cancelled.inc()  # client went away: closing the stream cancels the call
-        raise
-    finally:
-        await stream.aclose()
-        ctx.limiter.release()
-        ctx.metrics.latency.labels(ENDPOINT, "true").observe(time.monotonic() - started)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,6 +15,7 @@ from gateway.generation import (
     WorkerStream,
     check_common,
     check_model,
+    event_stream,
     finish_reason,
     new_id,
     sampling,
@@ -68,8 +68,10 @@ async def handle(ctx: Context, request: Request, req: schemas.CompletionRequest)
         stream = await WorkerStream.open(ctx, request, ENDPOINT, gen, param)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            released = True  # the stream body releases the slot
-            return sse.response(_stream(ctx, stream, rid, created, req.model, echo, include_usage))
+            released = True  # the response's cleanup releases the slot
+            return event_stream(
+                ctx, stream, _stream(ctx, stream, rid, created, req.model, echo, include_usage)
+            )
         body = await unless_disconnected(request, _collect(stream, rid, created, req.model, echo))
         return JSONResponse(body)
     finally:
@@ -121,7 +123,6 @@ async def _stream(
             body["usage"] = None
         return sse.event(body)
 
-    started = time.monotonic()
     try:
         if echo:
             yield chunk(echo)
@@ -141,12 +142,7 @@ async def _stream(
                 }
             )
         yield sse.DONE
+        stream.done = True
     except errors.APIError as e:
+        stream.done = True
         yield sse.event(e.body())
-    except (asyncio.CancelledError, GeneratorExit):
-        ctx.metrics.cancelled.inc()  # client went away: closing the stream cancels the call
-        raise
-    finally:
-        await stream.aclose()
-        ctx.limiter.release()
-        ctx.metrics.latency.labels(ENDPOINT, "true").observe(time.monotonic() - started)

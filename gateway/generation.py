@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from gateway import errors, schemas
+from gateway import errors, schemas, sse
 from gateway.metrics import GatewayMetrics
 from gateway.workers import WorkerPool
 from maskwire.v1 import worker_pb2
@@ -153,6 +153,7 @@ class WorkerStream:
         self.first: worker_pb2.GenerateResponse | None = None
         self.final: worker_pb2.GenerateResponse | None = None
         self.started = time.monotonic()
+        self.done = False  # the HTTP response was written to the end (incl. an error event)
 
     @classmethod
     async def open(
@@ -214,6 +215,21 @@ class WorkerStream:
             completion_tokens=u.completion_tokens,
             total_tokens=u.prompt_tokens + u.completion_tokens,
         )
+
+
+def event_stream(ctx: Context, stream: WorkerStream, body: AsyncIterator[bytes]) -> sse.EventStream:
+    """The SSE response for `body`; it owns the admission slot and the worker call."""
+
+    async def cleanup() -> None:
+        await stream.aclose()  # cancels the gRPC call if it is still running
+        ctx.limiter.release()
+        if not stream.done:
+            ctx.metrics.cancelled.inc()
+        ctx.metrics.latency.labels(stream.endpoint, "true").observe(
+            time.monotonic() - stream.started
+        )
+
+    return sse.EventStream(body, cleanup)
 
 
 def finish_reason(msg: worker_pb2.GenerateResponse | None, tool_calls: int = 0) -> Any:

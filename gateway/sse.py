@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Any
 
 from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 DONE = b"data: [DONE]\n\n"
 
@@ -24,5 +26,16 @@ def event(payload: dict[str, Any]) -> bytes:
     )
 
 
-def response(body: Any) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream", headers=HEADERS)
+class EventStream(StreamingResponse):
+    """An SSE response that always runs `cleanup` once it is over, even when the client left
+    before the body started (then the body generator never runs its own `finally`)."""
+
+    def __init__(self, body: AsyncIterable[bytes], cleanup: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=HEADERS)
+        self.cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.cleanup()

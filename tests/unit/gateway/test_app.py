@@ -473,6 +473,7 @@ def test_client_disconnect_cancels_the_worker_call(fake: FakeWorkerServer) -> No
             time.sleep(0.05)
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         assert "maskwire_gateway_client_disconnects_total 1.0" in metrics
+        assert app.state.ctx.limiter.active == 0  # the admission slot came back
     finally:
         server.should_exit = True
         thread.join(10)
