@@ -63,11 +63,22 @@ def config_from_hf(cfg: dict[str, Any], name: str) -> ModelConfig:
         raise ModelLoadError(
             f"{name}: model_type {model_type!r} is not supported (supported: {', '.join(HF_MODEL_TYPES)})"
         )
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{name}: attention_bias/mlp_bias checkpoints are not supported")
+    # transformers >= 5 nests RoPE settings in `rope_parameters`; older files use `rope_theta` and
+    # `rope_scaling` at the top level.
+    rope = dict(cfg.get("rope_scaling") or {})
+    rope.update(cfg.get("rope_parameters") or {})
     try:
         dim = int(cfg["hidden_size"])
         n_heads = int(cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or dim // n_heads)
-        theta = float(cfg.get("rope_theta", 10000.0))
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        max_seq = int(cfg.get("max_position_embeddings", 4096))
+        window = cfg.get("sliding_window")
+        if window and (model_type == "mistral" or cfg.get("use_sliding_window")):
+            # Within one window sliding attention is full attention: cap the context there.
+            max_seq = min(max_seq, int(window))
         return ModelConfig(
             name=name,
             vocab_size=int(cfg["vocab_size"]),
@@ -79,22 +90,20 @@ def config_from_hf(cfg: dict[str, Any], name: str) -> ModelConfig:
             ffn_dim=int(cfg["intermediate_size"]),
             rope_theta=theta,
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
+            max_seq_len=max_seq,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
-            rope_freq_factors=_hf_rope_factors(cfg.get("rope_scaling"), head_dim, theta, name),
+            rope_freq_factors=_hf_rope_factors(rope, head_dim, theta, name),
         )
     except KeyError as e:
         raise ModelLoadError(f"{name}: config.json lacks {e.args[0]!r}") from e
 
 
 def _hf_rope_factors(
-    scaling: dict[str, Any] | None, head_dim: int, theta: float, name: str
+    scaling: dict[str, Any], head_dim: int, theta: float, name: str
 ) -> tuple[float, ...] | None:
     """Llama 3.1 "llama3" RoPE scaling as per-frequency divisors (as llama.cpp's `rope_freqs`)."""
-    if not scaling:
-        return None
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
     if kind != "llama3":
