@@ -158,6 +158,8 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         request_timeout_s=config.request_timeout_s,
     )
     started = int(time.time())
+    # Streams outlive their handler: count admitted requests, not running handlers.
+    metrics.in_flight.set_function(lambda: ctx.limiter.active)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -224,11 +226,9 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         body: schemas.ChatCompletionRequest, request: Request
     ) -> Response:
         t0 = time.monotonic()
-        metrics.in_flight.inc()
         try:
             return await chat.handle(ctx, request, body, config.chat_template)
         finally:
-            metrics.in_flight.dec()
             if not body.stream:
                 metrics.latency.labels(chat.ENDPOINT, "false").observe(time.monotonic() - t0)
 
@@ -242,11 +242,9 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
     )
     async def create_completion(body: schemas.CompletionRequest, request: Request) -> Response:
         t0 = time.monotonic()
-        metrics.in_flight.inc()
         try:
             return await completions.handle(ctx, request, body)
         finally:
-            metrics.in_flight.dec()
             if not body.stream:
                 metrics.latency.labels(completions.ENDPOINT, "false").observe(time.monotonic() - t0)
 

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from tests.support.processes import ServiceProcess, free_port, running
@@ -217,6 +218,24 @@ def test_json_schema_outputs_validate(client: openai.OpenAI, name: str) -> None:
     assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
     value = json.loads(r.choices[0].message.content or "")
     jsonschema.validate(value, _strict(schema) if strict else schema, format_checker=FORMATS)
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    age: int = pydantic.Field(ge=0, le=120)
+
+
+def test_sdk_parse_with_pydantic_model(client: openai.OpenAI) -> None:
+    # The SDK turns the model into a strict json_schema and parses the answer back.
+    r = client.chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        response_format=Person,
+        temperature=0,
+        max_tokens=60,
+    )
+    person = r.choices[0].message.parsed
+    assert isinstance(person, Person) and 0 <= person.age <= 120
 
 
 def test_json_object(client: openai.OpenAI) -> None:
