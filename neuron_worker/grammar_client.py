@@ -76,6 +76,7 @@ class Replica:
         self._reader: asyncio.Task[None] | None = None
         self._down_until = 0.0
         self._failures = 0
+        self._closed = False
 
     @property
     def load(self) -> int:
@@ -148,6 +149,9 @@ class Replica:
         fut: asyncio.Future[grammar_pb2.SessionResponse] = loop.create_future()
         fut.add_done_callback(_consume_exception)
         async with self._write_lock:
+            if self._closed:
+                fut.set_exception(ReplicaDown(f"grammar replica {self.address}: client closed"))
+                return fut
             try:
                 self._ensure_stream()
             except Exception as e:  # channel creation failed (e.g. an unparsable address)
@@ -167,6 +171,7 @@ class Replica:
         return fut
 
     async def aclose(self) -> None:
+        self._closed = True
         call, self._call = self._call, None
         if call is not None:
             call.cancel()

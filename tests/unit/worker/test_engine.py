@@ -1,0 +1,261 @@
+"""The step loop against a fake model whose next token depends on every K/V it was given.
+
+If a token were written at the wrong position or slot, or a forced token skipped, the fake's
+outputs would diverge from the reference computed here. The grammar is a scripted in-process
+fake (forced tokens after every sampled token, then an end), so overlap, serial mode and
+jump-forward can all be checked against the same reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from maskwire.rpc import RpcError
+from maskwire.tokenizer import load_tokenizer
+from maskwire.v1 import common_pb2, worker_pb2
+from neuron_worker.backends import create_backend
+from neuron_worker.detokenize import Detokenizer
+from neuron_worker.engine import Engine, EngineConfig
+from neuron_worker.grammar_client import GrammarRequest, RowOutcome
+from neuron_worker.masks import scatter_mask_rows
+from neuron_worker.request import Request, Sampling
+from neuron_worker.sampler import Sampler, SamplingTensors
+
+TOK = load_tokenizer("default")
+V = TOK.vocab_size
+# Plain ASCII word tokens, so text is predictable and never an EOS.
+NORMAL = [i for i in range(300, 3000) if TOK.token_bytes(i).isalpha()][:97]
+FF = NORMAL[:2]
+P = 1_000_003
+
+
+def next_token(seq: Sequence[int]) -> int:
+    h = sum((i + 1) * t for i, t in enumerate(seq)) % P
+    return NORMAL[h % len(NORMAL)]
+
+
+class FakeModel:
+    """Keeps a token cache per slot; the output at position p hashes the slot's tokens [0, p]."""
+
+    def __init__(self) -> None:
+        self.config = SimpleNamespace(vocab_size=V + 64, max_seq_len=256, name="fake")
+        self.live_slots: set[int] = set()
+        self.pad_writes = 0
+
+    def setup_caches(self, max_batch: int, max_seq: int) -> None:
+        self.cache = np.full((max_batch, max_seq), -1, dtype=np.int64)
+
+    def __call__(
+        self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, kv_len: int
+    ) -> torch.Tensor:
+        b, t = tokens.shape
+        out = torch.zeros(b, t, 1)
+        for i in range(b):
+            slot = int(slots[i])
+            for j in range(t):
+                p = int(pos[i, j])
+                if p < 0:
+                    continue
+                assert p < kv_len
+                self.cache[slot, p] = int(tokens[i, j])
+                out[i, j, 0] = next_token(self.cache[slot, : p + 1].tolist())
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        lg = torch.zeros(hidden.shape[0], self.config.vocab_size)
+        lg[torch.arange(hidden.shape[0]), hidden[:, 0].long()] = 10.0
+        return lg
+
+
+class FakeGrammar:
+    """Scripted grammar: forces FF after every sampled token; finished after `limit` tokens."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.live: dict[str, int] = {}
+
+    async def open(self, req: GrammarRequest) -> list[str]:
+        if req.constraint.regex == "bad":
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "bad", [("constraint.regex", "bad")])
+        self.live[req.request_id] = 0
+        return []
+
+    async def step(
+        self, entries: Sequence[tuple[GrammarRequest, Sequence[int]]]
+    ) -> list[RowOutcome]:
+        await asyncio.sleep(0.001)
+        out = []
+        for req, new in entries:
+            req.consumed.extend(new)
+            done = len(req.consumed) >= self.limit
+            ff = [] if done else list(FF)
+            req.consumed.extend(ff)
+            mask = np.full((1, TOK.words_per_row), -1, dtype=np.int32)
+            out.append(RowOutcome(ok=True, mask=mask, ff_tokens=ff, finished=done))
+        return out
+
+    def close(self, req: GrammarRequest) -> None:
+        self.live.pop(req.request_id, None)
+
+    async def aclose(self) -> None:
+        pass
+
+
+def reference(prompt: list[int], max_tokens: int, constrained: bool, limit: int) -> list[int]:
+    out: list[int] = list(FF) if constrained else []
+    while len(out) < max_tokens:
+        tok = next_token(prompt + out)
+        out.append(tok)
+        if constrained:
+            if len(out) >= limit:
+                break
+            out.extend(FF)
+    return out[:max_tokens]
+
+
+def make_engine(
+    *, overlap: bool, jump_forward: bool = True, limit: int = 9
+) -> tuple[Engine, FakeModel]:
+    model = FakeModel()
+    config = EngineConfig(
+        max_batch=4,
+        max_seq_len=256,
+        max_queue=8,
+        batch_buckets=(1, 2, 4),
+        seq_buckets=(64, 128, 256),
+        overlap=overlap,
+        jump_forward=jump_forward,
+    )
+    sampler = Sampler(
+        vocab_size=V,
+        logits_size=V + 64,
+        max_rows=4,
+        device="cpu",
+        structured_outputs=True,
+        compile=False,
+    )
+    engine = Engine(
+        model=model,
+        tokenizer=TOK,
+        backend=create_backend("cpu"),
+        sampler=sampler,
+        sampling_tensors=SamplingTensors.build,
+        scatter_mask_rows=scatter_mask_rows,
+        grammar=FakeGrammar(limit),  # type: ignore[arg-type]
+        config=config,
+    )
+    return engine, model
+
+
+def request(
+    i: int, *, constrained: bool, max_tokens: int = 12, stop: tuple[str, ...] = ()
+) -> Request:
+    return Request(
+        request_id=f"r{i}",
+        prompt=[NORMAL[(7 * i + k) % len(NORMAL)] for k in range(3 + i % 4)],
+        sampling=Sampling(max_tokens=max_tokens, stop=stop),
+        detok=Detokenizer(TOK.token_bytes, stop),
+        constraint=common_pb2.Constraint(regex="x") if constrained else None,
+    )
+
+
+async def collect(req: Request) -> tuple[list[int], str, worker_pb2.GenerateResponse]:
+    ids: list[int] = []
+    text = ""
+    while True:
+        msg = await req.outputs.get()
+        assert not isinstance(msg, RpcError), msg
+        ids += list(msg.token_ids)
+        text += msg.text
+        if msg.finish_reason:
+            return ids, text, msg
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+async def test_continuous_batching_matches_reference(overlap: bool) -> None:
+    engine, _ = make_engine(overlap=overlap)
+    await engine.start()
+    try:
+        reqs = [request(i, constrained=i % 2 == 0) for i in range(7)]  # more than 4 slots
+        tasks = []
+        for i, r in enumerate(reqs):
+            await engine.submit(r)
+            tasks.append(asyncio.create_task(collect(r)))
+            if i == 2:
+                await asyncio.sleep(0.05)  # later requests join a running batch
+        results = await asyncio.gather(*tasks)
+    finally:
+        await engine.stop()
+    for r, (ids, text, final) in zip(reqs, results, strict=True):
+        want = reference(r.prompt, 12, r.constrained, 9)
+        assert ids == want, r.request_id
+        assert text == TOK.decode_bytes(want).decode()
+        if r.constrained:
+            assert final.finish_reason == worker_pb2.FINISH_REASON_STOP
+            sampled = sum(1 for k in range(len(want)) if k % 3 == 2)  # FF FF t FF t ...
+            assert final.usage.forced_tokens == len(want) - sampled
+            # Jump-forward: fewer passes than tokens.
+            assert final.usage.forward_passes < len(want)
+        else:
+            assert final.finish_reason == worker_pb2.FINISH_REASON_LENGTH
+            assert final.usage.forward_passes == len(want)
+    assert not engine.requests and not engine.scheduler.running
+
+
+async def test_without_jump_forward_grammar_gets_no_ff_option() -> None:
+    engine, _ = make_engine(overlap=True, jump_forward=False)
+    await engine.start()
+    try:
+        r = request(1, constrained=True)
+        await engine.submit(r)
+        assert r.grammar is not None and not r.grammar.options.jump_forward
+        await collect(r)
+    finally:
+        await engine.stop()
+
+
+async def test_stop_string_abort_and_errors() -> None:
+    engine, _ = make_engine(overlap=True)
+    await engine.start()
+    try:
+        want = reference(request(0, constrained=False).prompt, 12, False, 9)
+        stop_text = TOK.token_bytes(want[2]).decode()
+        r = request(0, constrained=False, stop=(stop_text,))
+        await engine.submit(r)
+        _ids, text, final = await collect(r)
+        assert final.finish_reason == worker_pb2.FINISH_REASON_STOP_STRING
+        assert final.stop_string == stop_text
+        assert stop_text not in text and text == TOK.decode_bytes(want[:2]).decode()[: len(text)]
+
+        long = request(1, constrained=False, max_tokens=200)
+        await engine.submit(long)
+        await long.outputs.get()
+        assert engine.abort("r1")
+        *_, final = await collect(long)
+        assert final.finish_reason == worker_pb2.FINISH_REASON_ABORT
+        assert not engine.abort("r1")
+
+        with pytest.raises(RpcError) as e:
+            bad = request(2, constrained=True)
+            bad.constraint = common_pb2.Constraint(regex="bad")
+            await engine.submit(bad)
+        assert e.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert "r2" not in engine.requests
+    finally:
+        await engine.stop()
+
+
+async def test_disabled_structured_outputs_rejects_constraints() -> None:
+    engine, _ = make_engine(overlap=True)
+    engine.config = EngineConfig(structured_outputs=False)
+    with pytest.raises(RpcError) as e:
+        await engine.submit(request(0, constrained=True))
+    assert e.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert "--enable-structured-outputs" in e.value.message
