@@ -90,6 +90,7 @@ class Child:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = False
+        self.killed = False
         self._reader: threading.Thread | None = None
 
     @property
@@ -176,6 +177,7 @@ class Child:
     def kill(self) -> None:
         if self.running:
             self.stopping = True
+            self.killed = True
             assert self.proc is not None
             self.proc.kill()
 

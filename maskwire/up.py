@@ -272,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
     signals = _Signals()
     signals.install()
     rc = 0
+    reported: set[str] = set()
     started_at = time.monotonic()
     try:
         _say(f"logs in {log_dir}/")
@@ -307,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
                 _say(f"{signals.received} received: stopping gateway, worker, grammar service")
     except ChildExited as e:
         rc = 1
-        _report_death(e.child, log_dir)
+        reported.add(e.child.name)
+        _report_death(e.child)
     except TimeoutError as e:
         rc = 1
         _say(str(e))
@@ -322,12 +324,16 @@ def run(args: argparse.Namespace) -> int:
             say=_say,
         )
         signals.restore()
-    unexpected = [
-        c for c in everyone if c.poll() not in (None, 0, -signal.SIGTERM) and not c.stopping
-    ]
-    for c in unexpected:
+    for c in everyone:
+        # Anything that did not end cleanly is reported once: a death while running, or a bad
+        # exit while draining (a SIGKILL after the grace period was already announced).
+        if c.killed:
+            rc = 1  # it ignored SIGTERM for the whole grace period (or a second Ctrl-C came)
+            continue
+        if c.name in reported or c.poll() in (None, 0, -signal.SIGTERM):
+            continue
         rc = 1
-        _report_death(c, log_dir)
+        _report_death(c, "while stopping" if c.stopping else "")
     _say("stopped" if rc == 0 else f"stopped (exit {rc}); logs in {log_dir}/")
     return rc
 
@@ -348,8 +354,9 @@ def _supervise(children: list[Child], signals: _Signals) -> None:
                 raise ChildExited(c)
 
 
-def _report_death(c: Child, log_dir: Path) -> None:
-    _say(f"{c.name} (pid {c.pid}) died: {c.describe_exit()}. Its last log lines:")
+def _report_death(c: Child, when: str = "") -> None:
+    when = f" {when}" if when else ""
+    _say(f"{c.name} (pid {c.pid}) died{when}: {c.describe_exit()}. Its last log lines:")
     for line in c.last_lines(20):
         print(f"    {line}", file=sys.stderr)
     _say(f"full log: {c.log_path}")

@@ -3,7 +3,8 @@
 Usage: fake_service.py COMMAND --port P --host H [ARGS...]. grammar-service and worker serve gRPC
 health, gateway serves HTTP /health, /v1/models and a canned /v1/chat/completions. Environment:
 FAKE_EVENTS (file to append "COMMAND start|stop ARGS" lines to), FAKE_CRASH=COMMAND (exit 3 a moment
-after becoming healthy), FAKE_NEVER_READY=COMMAND (never report healthy), FAKE_ANSWER (chat content).
+after becoming healthy), FAKE_NEVER_READY=COMMAND (never report healthy), FAKE_IGNORE_TERM=COMMAND,
+FAKE_BAD_STOP=COMMAND (exit 4 on SIGTERM), FAKE_ANSWER (chat content).
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ def main() -> None:
     record(f"{command} start {' '.join(rest)}")
     ready = os.environ.get("FAKE_NEVER_READY") != command
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if os.environ.get("FAKE_IGNORE_TERM") == command:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(f"fake {command}: listening on {host}:{port}", flush=True)
     if command == "gateway":
         server = _http(host, port, ready)
@@ -60,6 +64,9 @@ def main() -> None:
         sys.exit(3)
     stop.wait()
     record(f"{command} stop")
+    if os.environ.get("FAKE_BAD_STOP") == command:
+        print(f"fake {command}: drain failed", flush=True)
+        sys.exit(4)
     print(f"fake {command}: stopped", flush=True)
 
 

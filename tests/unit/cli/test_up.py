@@ -160,3 +160,18 @@ def test_defaults() -> None:
         "default",
         "127.0.0.1",
     )
+
+
+def test_bad_exit_while_stopping_is_reported(tmp_path: Path) -> None:
+    rc, _, err = finish(start_up(tmp_path, "--demo", FAKE_BAD_STOP="worker"))
+    assert rc == 1
+    assert "worker (pid" in err and "died while stopping: exit code 4" in err
+    assert "    fake worker: drain failed" in err
+    assert err.count("died") == 1
+
+
+def test_service_ignoring_sigterm_is_killed_after_the_grace(tmp_path: Path) -> None:
+    rc, _, err = finish(start_up(tmp_path, "--demo", "--grace", "1", FAKE_IGNORE_TERM="gateway"))
+    assert rc == 1
+    assert "gateway did not stop within 1s: killing it" in err
+    assert order(tmp_path, "stop") == ["worker", "grammar-service"]
