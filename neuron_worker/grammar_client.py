@@ -23,6 +23,7 @@ import numpy as np
 
 from maskwire.rpc import RpcError, channel_options
 from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc
+from neuron_worker.metrics import GRAMMAR_REPLAYS
 
 log = logging.getLogger(__name__)
 
@@ -314,6 +315,7 @@ class GrammarClient:
                     outcomes[i] = RowOutcome(ok=False, error=e.message, code=e.code)
                     continue
                 self.replays += 1
+                GRAMMAR_REPLAYS.inc()
                 log.info(
                     "re-opened %s on %s with %d replayed tokens",
                     req.request_id,
