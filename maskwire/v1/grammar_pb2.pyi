@@ -9,6 +9,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class MaskRowEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MASK_ROW_ENCODING_UNSPECIFIED: _ClassVar[MaskRowEncoding]
+    MASK_ROW_ENCODING_DENSE: _ClassVar[MaskRowEncoding]
+    MASK_ROW_ENCODING_ALLOW: _ClassVar[MaskRowEncoding]
+    MASK_ROW_ENCODING_DENY: _ClassVar[MaskRowEncoding]
+
 class RowStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ROW_STATUS_UNSPECIFIED: _ClassVar[RowStatus]
@@ -16,6 +23,10 @@ class RowStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROW_STATUS_DESYNC: _ClassVar[RowStatus]
     ROW_STATUS_ERROR: _ClassVar[RowStatus]
     ROW_STATUS_UNKNOWN_REQUEST: _ClassVar[RowStatus]
+MASK_ROW_ENCODING_UNSPECIFIED: MaskRowEncoding
+MASK_ROW_ENCODING_DENSE: MaskRowEncoding
+MASK_ROW_ENCODING_ALLOW: MaskRowEncoding
+MASK_ROW_ENCODING_DENY: MaskRowEncoding
 ROW_STATUS_UNSPECIFIED: RowStatus
 ROW_STATUS_OK: RowStatus
 ROW_STATUS_DESYNC: RowStatus
@@ -99,12 +110,14 @@ class Opened(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., position: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("step", "rows")
+    __slots__ = ("step", "rows", "compact_masks")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_MASKS_FIELD_NUMBER: _ClassVar[int]
     step: int
     rows: _containers.RepeatedCompositeFieldContainer[StepRow]
-    def __init__(self, step: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[StepRow, _Mapping]]] = ...) -> None: ...
+    compact_masks: bool
+    def __init__(self, step: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[StepRow, _Mapping]]] = ..., compact_masks: _Optional[bool] = ...) -> None: ...
 
 class StepRow(_message.Message):
     __slots__ = ("request_id", "new_tokens", "position", "draft_tokens")
@@ -119,16 +132,24 @@ class StepRow(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "rows", "bitmask", "words_per_row")
+    __slots__ = ("step", "rows", "bitmask", "words_per_row", "mask_row_encodings", "mask_row_id_counts", "mask_ids", "vocab_size")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BITMASK_FIELD_NUMBER: _ClassVar[int]
     WORDS_PER_ROW_FIELD_NUMBER: _ClassVar[int]
+    MASK_ROW_ENCODINGS_FIELD_NUMBER: _ClassVar[int]
+    MASK_ROW_ID_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    MASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     step: int
     rows: _containers.RepeatedCompositeFieldContainer[RowResult]
     bitmask: bytes
     words_per_row: int
-    def __init__(self, step: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowResult, _Mapping]]] = ..., bitmask: _Optional[bytes] = ..., words_per_row: _Optional[int] = ...) -> None: ...
+    mask_row_encodings: _containers.RepeatedScalarFieldContainer[MaskRowEncoding]
+    mask_row_id_counts: _containers.RepeatedScalarFieldContainer[int]
+    mask_ids: bytes
+    vocab_size: int
+    def __init__(self, step: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowResult, _Mapping]]] = ..., bitmask: _Optional[bytes] = ..., words_per_row: _Optional[int] = ..., mask_row_encodings: _Optional[_Iterable[_Union[MaskRowEncoding, str]]] = ..., mask_row_id_counts: _Optional[_Iterable[int]] = ..., mask_ids: _Optional[bytes] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class RowResult(_message.Message):
     __slots__ = ("request_id", "status", "mask_rows", "accepted_drafts", "ff_tokens", "accepting", "finished", "position", "expected_position", "error")
