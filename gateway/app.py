@@ -36,6 +36,7 @@ class GatewayConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     max_concurrency: int = 256
     health_interval_s: float = 5.0
+    worker_dns_refresh_s: float = 10.0  # how often dns:/// worker targets are re-resolved
     # Bearer tokens accepted on /v1 (empty: no authentication). Seam for `--api-key`.
     api_keys: tuple[str, ...] = field(default_factory=tuple)
 
@@ -149,6 +150,7 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
     the_pool = pool or WorkerPool(
         config.workers,
         health_interval_s=config.health_interval_s,
+        dns_refresh_s=config.worker_dns_refresh_s,
         on_health=metrics.set_worker_health,
     )
     ctx = Context(

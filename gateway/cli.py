@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from maskwire.discovery import add_refresh_argument
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -14,8 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         required=True,
         metavar="HOST:PORT[,HOST:PORT...]",
-        help="worker gRPC address; repeat the flag or give a comma list for several",
+        help="worker gRPC address; repeat the flag or give a comma list for several; "
+        "dns:///NAME:PORT means every address behind NAME (followed as it changes)",
     )
+    add_refresh_argument(parser, "--worker-dns-refresh-s")
     parser.add_argument(
         "--chat-template",
         metavar="FILE",
@@ -53,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     from gateway.app import GatewayConfig, create_app
     from gateway.workers import parse_addresses
+    from maskwire.discovery import TargetError, parse_targets
     from maskwire.logs import setup_logging
 
     setup_logging(args.log_level)
@@ -73,8 +78,14 @@ def run(args: argparse.Namespace) -> int:
             ChatTemplate(template)
         except TemplateError as e:
             raise SystemExit(f"--chat-template {path}: {e}") from e
+    workers = parse_addresses(args.worker)
+    try:
+        parse_targets(workers)
+    except TargetError as e:
+        raise SystemExit(f"--worker: {e}") from e
     config = GatewayConfig(
-        workers=parse_addresses(args.worker),
+        workers=workers,
+        worker_dns_refresh_s=args.worker_dns_refresh_s,
         chat_template=template,
         request_timeout_s=args.request_timeout_s,
         max_body_bytes=args.max_body_bytes,

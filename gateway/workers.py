@@ -1,6 +1,8 @@
 """gRPC client pool over the workers: health-aware, least-loaded, with failover before output.
 
-Each `--worker` address gets one channel. A background task checks `grpc.health.v1` every
+Each worker gets one channel. `dns:///NAME:PORT` targets are expanded to every address behind the
+name and followed as it changes (`maskwire.discovery`; a Kubernetes headless Service lists one
+address per ready pod). A background task checks `grpc.health.v1` every
 `health_interval_s` and fetches `GetModelInfo` once a worker is up. A request goes to the healthy
 worker with the fewest requests in flight (round robin among ties); if the call fails with
 UNAVAILABLE or RESOURCE_EXHAUSTED before any output, the next worker is tried. Worker errors are
@@ -14,13 +16,15 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway import errors
+from maskwire import discovery
 from maskwire.rpc import RpcError, channel_options
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
 
@@ -50,6 +54,7 @@ class WorkerEndpoint:
     in_flight: int = 0
     info: worker_pb2.ModelInfo | None = None
     last_error: str = field(default="not checked yet")
+    retired: bool = False  # no longer behind its DNS name: closed once idle
 
 
 class WorkerPool:
@@ -61,11 +66,17 @@ class WorkerPool:
         *,
         health_interval_s: float = 5.0,
         health_timeout_s: float = 2.0,
+        dns_refresh_s: float = discovery.DEFAULT_REFRESH_S,
+        resolve: discovery.ResolveFn | None = None,
         on_health: Callable[[str, bool], None] | None = None,
     ) -> None:
         self.addresses = parse_addresses(addresses)
         if not self.addresses:
             raise ValueError("at least one worker address is needed")
+        discovery.parse_targets(self.addresses)  # TargetError now, not at start-up
+        self.dns_refresh_s = dns_refresh_s
+        self._resolve = resolve
+        self._resolver: discovery.Resolver | None = None
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.on_health = on_health
@@ -73,19 +84,47 @@ class WorkerPool:
         self._rr = itertools.count()
         self._task: asyncio.Task[None] | None = None
         self._checking: asyncio.Future[list[None]] | None = None
+        self._pending: set[asyncio.Future[Any]] = set()
 
     async def start(self) -> None:
-        for a in self.addresses:
-            ch = grpc.aio.insecure_channel(a, options=channel_options())
-            self.endpoints.append(
-                WorkerEndpoint(
-                    a, ch, worker_pb2_grpc.WorkerStub(ch), health_pb2_grpc.HealthStub(ch)
-                )
-            )
+        kw = {"resolve": self._resolve} if self._resolve is not None else {}
+        self._resolver = discovery.Resolver(
+            self.addresses, refresh_s=self.dns_refresh_s, on_change=self._apply, **kw
+        )
+        await self._resolver.start()
         await self.check_all()
         self._task = asyncio.create_task(self._monitor(), name="worker-health")
 
+    def _apply(self, change: discovery.Change) -> None:
+        """Follow the replica set: new workers are health-checked, gone ones closed when idle."""
+        for a in sorted(change.added):
+            ch = grpc.aio.insecure_channel(a, options=channel_options())
+            ep = WorkerEndpoint(
+                a, ch, worker_pb2_grpc.WorkerStub(ch), health_pb2_grpc.HealthStub(ch)
+            )
+            self.endpoints.append(ep)
+            if self._task is not None:  # after start-up: check it now rather than next round
+                self._background(self._check(ep))
+        for ep in [ep for ep in self.endpoints if ep.address in change.removed]:
+            self.endpoints.remove(ep)
+            ep.healthy = False
+            ep.retired = True
+            if ep.in_flight == 0:
+                self._background(ep.channel.close())
+
+    def _background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def refresh(self) -> None:
+        """Re-resolve `dns:///` targets now."""
+        if self._resolver is not None:
+            await self._resolver.refresh()
+
     async def close(self) -> None:
+        if self._resolver is not None:
+            await self._resolver.stop()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -207,3 +246,5 @@ class WorkerPool:
             finally:
                 ep.in_flight -= 1
                 call.cancel()
+                if ep.retired and ep.in_flight == 0:
+                    self._background(ep.channel.close())
