@@ -17,6 +17,7 @@ from grammar_service.backend import RequestGrammar
 from grammar_service.masks import MaskBuffer
 from grammar_service.reasoning import ReasoningGate
 from grammar_service.runtime import Runtime
+from maskwire.bitmask import encode_rows
 from maskwire.rpc import RpcError, status_proto
 from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import grammar_pb2
@@ -365,8 +366,16 @@ class Session:
             t_fill = time.perf_counter()
             backend.fill(plain, drafted, buf.ptr, buf.one_mask_bytes, buf.capacity)
             metrics.MASK_SECONDS_PER_ROW.observe((time.perf_counter() - t_fill) / cursor)
-            out.bitmask = buf.tobytes(cursor)
+            if msg.compact_masks:
+                c = encode_rows(buf.rows(cursor), vocab)
+                out.bitmask = c.dense
+                out.mask_row_encodings.extend(c.encodings.tolist())
+                out.mask_row_id_counts.extend(c.counts.tolist())
+                out.mask_ids = c.ids
+            else:
+                out.bitmask = buf.tobytes(cursor)
         out.words_per_row = buf.words_per_row
+        out.vocab_size = vocab
 
         # Phase 5: the answer.
         add = out.rows.add

@@ -24,8 +24,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from maskwire.v1 import grammar_pb2
 
 assert sys.byteorder == "little", "mask words are the host's int32 words: little-endian only"
 
@@ -42,6 +46,7 @@ __all__ = [
     "decode_rows",
     "encode_rows",
     "ones_row",
+    "step_masks",
 ]
 
 
@@ -186,6 +191,42 @@ def decode_rows(
     combined = np.bincount(group, weights=bit).astype(np.uint32)  # exact: sums < 2**32
     view.reshape(-1).view(np.uint32)[flat_word[new_word]] ^= combined
     return view
+
+
+def step_masks(result: grammar_pb2.StepResult, out: np.ndarray | None = None) -> np.ndarray:
+    """A `StepResult`'s mask rows as int32 ``[sum(rows.mask_rows), W]``, dense or compact.
+
+    Without `out`, a dense answer is returned as a read-only view of ``result.bitmask`` (no copy)
+    and a compact one is decoded into a new array; with `out` (a reused C-contiguous int32
+    ``[capacity, W]`` buffer), the rows are written into ``out[:n]`` and that view is returned.
+    Raises ``ValueError`` for a malformed answer.
+    """
+    words = result.words_per_row
+    if not words:
+        raise ValueError("StepResult.words_per_row is 0")
+    if not len(result.mask_row_encodings):
+        if len(result.bitmask) % (4 * words):
+            raise ValueError(
+                f"bitmask of {len(result.bitmask)} bytes is not whole {words}-word rows"
+            )
+        rows = np.frombuffer(result.bitmask, dtype="<i4").reshape(-1, words)
+        if out is None:
+            return rows
+        if out.shape[0] < len(rows) or out.shape[1:] != (words,) or out.dtype != np.int32:
+            raise ValueError(f"out must be int32 [>= {len(rows)}, {words}]")
+        out[: len(rows)] = rows
+        return out[: len(rows)]
+    vocab = result.vocab_size
+    if not vocab or (vocab + 31) // 32 != words:
+        raise ValueError(f"vocab_size {vocab} does not match words_per_row {words}")
+    return decode_rows(
+        result.mask_row_encodings,
+        result.mask_row_id_counts,
+        result.bitmask,
+        result.mask_ids,
+        vocab,
+        out,
+    )
 
 
 def _varints(values: np.ndarray) -> bytes:

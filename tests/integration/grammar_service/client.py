@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 import numpy as np
 
+from maskwire.bitmask import step_masks
 from maskwire.rpc import channel_options
 from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc
@@ -64,10 +65,14 @@ class SessionClient:
             msg.grammar_id = grammar_id
         return self.send(grammar_pb2.SessionRequest(open=msg)).opened
 
-    def step(self, rows: Sequence[grammar_pb2.StepRow]) -> grammar_pb2.StepResult:
+    def step(
+        self, rows: Sequence[grammar_pb2.StepRow], *, compact: bool = False
+    ) -> grammar_pb2.StepResult:
         self.step_no += 1
         res = self.send(
-            grammar_pb2.SessionRequest(step=grammar_pb2.Step(step=self.step_no, rows=rows))
+            grammar_pb2.SessionRequest(
+                step=grammar_pb2.Step(step=self.step_no, rows=rows, compact_masks=compact)
+            )
         ).step_result
         assert res.step == self.step_no
         return res
@@ -93,11 +98,10 @@ def row(
 
 
 def masks(res: grammar_pb2.StepResult) -> np.ndarray:
-    """The step's mask rows as an int32 [rows, W] array."""
-    w = res.words_per_row
-    arr = np.frombuffer(res.bitmask, dtype="<i4")
-    assert arr.size % w == 0
-    return arr.reshape(-1, w)
+    """The step's mask rows as an int32 [rows, W] array (dense or compact answer)."""
+    if not res.mask_row_encodings:
+        assert len(res.bitmask) % (res.words_per_row * 4) == 0
+    return step_masks(res)
 
 
 def channel(address: str) -> grpc.Channel:
