@@ -114,5 +114,7 @@ def unpack_mask(packed: Tensor, width: int) -> Tensor:
     """int32 ``[N, W]`` packed rows -> bool ``[N, width]`` (``width <= 32 * W``): bit i of word j
     is column ``32 * j + i``. Columns past ``width`` (padding bits of the last word) are dropped."""
     bits = torch.arange(32, dtype=torch.int32, device=packed.device)
-    unpacked = (packed.unsqueeze(-1) >> bits) & 1
+    # Not `>>`: torch_xla 2.9 lowers that operator on negative ints as a truncating division (bit
+    # 31 set = negative word); bitwise_right_shift is an arithmetic shift on every backend.
+    unpacked = torch.bitwise_right_shift(packed.unsqueeze(-1), bits) & 1
     return unpacked.reshape(packed.shape[0], packed.shape[1] * 32)[:, :width].bool()

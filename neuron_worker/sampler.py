@@ -144,7 +144,8 @@ def row_uniform(seed: Tensor, offset: Tensor) -> Tensor:
     stream of a request depends only on its own seed and counter."""
     x = _mix32((offset & _M32) ^ 0x9E3779B9)
     x = _mix32(x ^ ((offset >> 32) & _M32))
-    x = _mix32(x ^ ((seed >> 32) & _M32))
+    # seed may be negative: `>>` is wrong for negative ints on torch_xla 2.9 (see unpack_mask).
+    x = _mix32(x ^ (torch.bitwise_right_shift(seed, 32) & _M32))
     x = _mix32(x ^ (seed & _M32))
     # 23 bits + 0.5 is exact in float32 and never 0 or 1.
     return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
