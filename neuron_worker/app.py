@@ -53,6 +53,8 @@ def engine_config(args: argparse.Namespace, model_max_seq: int) -> EngineConfig:
             else pow2_buckets(min(128, max_seq), max_seq)
         ),
         max_prefill_tokens=args.max_prefill_tokens,
+        # A decode step is one token per row: 1 is always a bucket.
+        token_buckets=tuple(sorted({1, *parse_buckets(args.token_buckets, max_seq, 1)})),
         structured_outputs=args.structured_outputs,
         overlap=args.overlap,
         jump_forward=args.jump_forward,
@@ -117,6 +119,8 @@ async def serve(args: argparse.Namespace) -> int:
         metrics=metrics,
     )
     await engine.start()
+    if backend.warmup_by_default if args.warmup is None else args.warmup:
+        await engine.warmup()
     servicer = WorkerServicer(
         engine,
         tokenizer,

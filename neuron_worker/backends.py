@@ -7,6 +7,7 @@ when asked for.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -28,6 +29,8 @@ class Backend:
     """A device plus its compile and synchronisation rules."""
 
     name = "cpu"
+    # Static-shape device: compile every graph shape at startup (`Engine.warmup`) by default.
+    warmup_by_default = False
 
     def __init__(self, *, compile: bool = False) -> None:
         self.compile_enabled = compile
@@ -42,6 +45,10 @@ class Backend:
 
     def sync(self) -> None:
         """Wait until queued device work is done (timing and host reads)."""
+
+    def inference_mode(self) -> contextlib.AbstractContextManager[object]:
+        """The no-autograd context for device work."""
+        return torch.inference_mode()
 
     def mark_step(self) -> None:
         """End of a lazily traced graph (XLA); nothing to do on eager devices."""
@@ -78,9 +85,16 @@ class CudaBackend(Backend):
 
 
 class XlaBackend(Backend):
-    """torch_xla: graphs are traced lazily and cut at `mark_step`; compile = the XLA compiler."""
+    """torch_xla: graphs are traced lazily and cut at `mark_step`; compile = the XLA compiler.
+
+    Each distinct traced graph (ops + shapes) is compiled once and cached, so the engine keeps
+    every shape in static buckets and warms them all up before serving. `PJRT_DEVICE` picks the
+    device (CPU here; NEURON with torch-neuronx on Trainium/Inferentia). Compile counts are
+    exported as Prometheus series (`neuron_worker.xla`).
+    """
 
     name = "xla"
+    warmup_by_default = True
 
     def __init__(self, *, compile: bool = False) -> None:
         try:
@@ -93,6 +107,9 @@ class XlaBackend(Backend):
         super().__init__(compile=compile)
         self._xla = torch_xla
         self.device = torch_xla.device()
+        from neuron_worker import xla
+
+        xla.register_prometheus()
 
     def compile(self, fn: F, *, name: str = "") -> F:
         # XLA compiles every traced graph already; torch.compile's openxla backend is optional.
@@ -105,6 +122,18 @@ class XlaBackend(Backend):
 
     def sync(self) -> None:
         self._xla.sync(wait=True)
+
+    def inference_mode(self) -> contextlib.AbstractContextManager[object]:
+        # torch_xla rejects inference tensors ("Cannot set version_counter for inference tensor").
+        return torch.no_grad()
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.device == self.device else t.to(self.device)
+
+    def describe(self) -> str:
+        import torch_xla.runtime as xr
+
+        return f"xla ({xr.device_type()})"
 
 
 def create_backend(device: str, *, compile: bool | None = None) -> Backend:

@@ -66,6 +66,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--seq-buckets", default="", help="comma-separated KV lengths (default 128,256,...,max)"
     )
     p.add_argument(
+        "--token-buckets",
+        default="",
+        help="comma-separated tokens per row in one forward pass, for prefill and jump-forward "
+        "(default 1,2,4,...,max); fewer buckets = fewer graphs to compile on XLA",
+    )
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run every bucketed graph shape once before serving (default: on for xla)",
+    )
+    p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,

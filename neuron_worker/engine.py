@@ -37,7 +37,7 @@ from neuron_worker.backends import Backend
 from neuron_worker.grammar_client import GrammarClient, GrammarRequest, RowOutcome
 from neuron_worker.metrics import Metrics
 from neuron_worker.request import Request, State
-from neuron_worker.scheduler import Scheduler, decode_len, prefill_len
+from neuron_worker.scheduler import Scheduler, bucket_for, forward_shapes, pow2_buckets
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,8 @@ class EngineConfig:
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
     seq_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
     max_prefill_tokens: int = 4096
+    # Tokens per row in one forward pass (prefill, jump-forward); () = 1, 2, 4, ..., max_seq_len.
+    token_buckets: tuple[int, ...] = ()
     structured_outputs: bool = True
     overlap: bool = True
     jump_forward: bool = True
@@ -128,6 +130,8 @@ class Engine:
         self.logits_size = int(model.config.vocab_size)
         # One extra cache slot that padding rows point at, so they can never touch a live slot.
         self.pad_slot = config.max_batch
+        self.token_buckets = list(config.token_buckets) or pow2_buckets(1, config.max_seq_len)
+        self._eos_index: Tensor | None = None
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maskwire-device")
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -391,7 +395,7 @@ class Engine:
                 position = {id(r): i for i, r in enumerate(batch)}
                 dst = [position[id(row.req)] for row in ff_rows]
                 base = logits
-                logits = await self._on_device(lambda: _replace_rows(base, ff_logits, dst))
+                logits = await self._on_device(lambda: self._replace(base, ff_logits, dst))
             live_set = set(live)
             sample_rows = [_Row(r, [], 0) if r in live_set else None for r in batch]
         if live:
@@ -403,11 +407,7 @@ class Engine:
         """One forward pass over `rows`; returns logits [batch bucket, logits_size] for each row's
         last token (padding rows: garbage)."""
         n = self.scheduler.batch_bucket(len(rows))
-        longest = max(len(r.tokens) for r in rows)
-        if kind == "prefill":
-            t = min(prefill_len(longest), max(longest, self.config.max_seq_len))
-        else:
-            t = decode_len(longest)
+        t = bucket_for(self.token_buckets, max(len(r.tokens) for r in rows))
         tokens = np.zeros((n, t), dtype=np.int64)
         pos = np.full((n, t), -1, dtype=np.int64)
         slots = np.full(n, self.pad_slot, dtype=np.int64)
@@ -422,28 +422,36 @@ class Engine:
             end = max(end, row.start + k)
             row.req.forward_passes += 1
         kv_len = self.scheduler.seq_bucket(end)
-        backend = self.backend
 
         def run() -> Tensor:
-            with torch.inference_mode():
-                tok = backend.to_device(torch.from_numpy(tokens))
-                ip = backend.to_device(torch.from_numpy(pos))
-                sl = backend.to_device(torch.from_numpy(slots))
-                hidden = self.model(tok, ip, sl, kv_len)
-                if t > 1:
-                    idx = backend.to_device(torch.from_numpy(last))
-                    h = hidden[torch.arange(n, device=hidden.device), idx]
-                else:
-                    h = hidden[:, 0]
-                out = self.model.logits(h)
-                backend.mark_step()
-                backend.sync()
-                return out
+            return self._run_forward(tokens, pos, slots, last, kv_len)
 
         began = time.perf_counter()
         logits = await self._on_device(run)
         self.metrics.forward(kind, time.perf_counter() - began)
         return logits
+
+    def _run_forward(
+        self, tokens: np.ndarray, pos: np.ndarray, slots: np.ndarray, last: np.ndarray, kv_len: int
+    ) -> Tensor:
+        """Device thread: one forward graph of shape (batch, T, kv_len) -> logits [batch, L] of
+        each row's token `last`. Cut into its own graph so the mask is needed only when sampling."""
+        backend = self.backend
+        with backend.inference_mode():
+            tok = backend.to_device(torch.from_numpy(tokens))
+            ip = backend.to_device(torch.from_numpy(pos))
+            sl = backend.to_device(torch.from_numpy(slots))
+            hidden = self.model(tok, ip, sl, kv_len)
+            n, t = tokens.shape
+            if t > 1:
+                idx = backend.to_device(torch.from_numpy(last))
+                h = hidden[torch.arange(n, device=hidden.device), idx]
+            else:
+                h = hidden[:, 0]
+            out = self.model.logits(h)
+            backend.mark_step()
+            backend.sync()
+            return out
 
     async def _sample_rows(
         self,
@@ -455,10 +463,11 @@ class Engine:
         ignored), then act on the tokens."""
         n = int(logits.shape[0])
         reqs = [row.req if row is not None else None for row in rows]
-        compact_rows: list[np.ndarray] = []
-        dest: list[int] = []
-        ignore_eos: list[int] = []
+        compact = np.full((n, self.words), -1, dtype=np.int32)
+        dest = np.full(n, n, dtype=np.int64)
+        ban_eos = np.zeros(n, dtype=bool)
         temperature, top_p, top_k, seed, offset = [], [], [], [], []
+        m = 0
         for i, req in enumerate(reqs):
             if req is None:
                 temperature.append(0.0)
@@ -475,47 +484,20 @@ class Engine:
             offset.append(req.sampled)
             out = outcomes.get(req)
             if out is not None and out.mask is not None:
-                compact_rows.append(out.mask[:1])
-                dest.append(i)
-            if s.ignore_eos and req.grammar is None:
-                ignore_eos.append(i)
-        pad = n - len(temperature)
-        structured = self.config.structured_outputs
-        words = self.words
-        eos = self.eos_ids
+                compact[m] = out.mask[0]
+                dest[m] = i
+                m += 1
+            ban_eos[i] = s.ignore_eos and req.grammar is None
+        params: dict[str, list[Any]] = {
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "seed": seed,
+            "offset": offset,
+        }
 
         def run() -> list[int]:
-            with torch.inference_mode():
-                lg = logits
-                if ignore_eos:
-                    lg = lg.clone()
-                    rows_t = torch.tensor(ignore_eos, dtype=torch.int64, device=lg.device)
-                    for e in eos:
-                        lg[rows_t, e] = float("-inf")
-                mask: Tensor | None = None
-                if structured:
-                    compact = np.full((n, words), -1, dtype=np.int32)
-                    d = np.full(n, n, dtype=np.int64)
-                    for j, (row, target) in enumerate(zip(compact_rows, dest, strict=True)):
-                        compact[j] = row[0]
-                        d[j] = target
-                    mask = self._scatter(
-                        self.backend.to_device(torch.from_numpy(compact)),
-                        self.backend.to_device(torch.from_numpy(d)),
-                        n,
-                    )
-                params = self._sampling_tensors(
-                    temperature=temperature + [0.0] * pad,
-                    top_p=top_p + [1.0] * pad,
-                    top_k=top_k + [0] * pad,
-                    seed=seed + [0] * pad,
-                    offset=offset + [0] * pad,
-                    n_rows=n,
-                    device=self.backend.device,
-                )
-                out = self.sampler(lg, mask, params)
-                self.backend.mark_step()
-                return [int(x) for x in out.tolist()]
+            return self._run_sampler(logits, compact, dest, ban_eos, params)
 
         began = time.perf_counter()
         tokens = await self._on_device(run)
@@ -527,6 +509,111 @@ class Engine:
             sampled += 1
             self._accept(req, tok)
         self.metrics.tokens(sampled, 0)
+
+    def _run_sampler(
+        self,
+        logits: Tensor,
+        compact: np.ndarray,
+        dest: np.ndarray,
+        ban_eos: np.ndarray,
+        params: dict[str, list[Any]],
+    ) -> list[int]:
+        """Device thread: one sampler graph for a batch bucket. The packed mask rows travel as
+        int32 and are reordered and unpacked on the device; every input has the same shape every
+        step (no mask tensor at all when structured outputs are disabled)."""
+        n = int(logits.shape[0])
+        pad = n - len(params["temperature"])
+        backend = self.backend
+        with backend.inference_mode():
+            lg = logits
+            if self.eos_ids:
+                # ignore_eos rows: EOS columns to -inf, as a fixed-shape op on every step.
+                if self._eos_index is None:
+                    self._eos_index = backend.to_device(torch.tensor(self.eos_ids))
+                ban = backend.to_device(torch.from_numpy(ban_eos)).unsqueeze(1)
+                eos_cols = lg.index_select(1, self._eos_index).masked_fill(ban, float("-inf"))
+                lg = lg.index_copy(1, self._eos_index, eos_cols)
+            mask: Tensor | None = None
+            if self.config.structured_outputs:
+                mask = self._scatter(
+                    backend.to_device(torch.from_numpy(compact)),
+                    backend.to_device(torch.from_numpy(dest)),
+                    n,
+                )
+            tensors = self._sampling_tensors(
+                temperature=params["temperature"] + [0.0] * pad,
+                top_p=params["top_p"] + [1.0] * pad,
+                top_k=params["top_k"] + [0] * pad,
+                seed=params["seed"] + [0] * pad,
+                offset=params["offset"] + [0] * pad,
+                n_rows=n,
+                device=backend.device,
+            )
+            out = self.sampler(lg, mask, tensors)
+            backend.mark_step()
+            return [int(x) for x in out.tolist()]
+
+    # ------------------------------------------------------------------ warm-up
+    async def warmup(self, on_graph: Callable[[str], None] | None = None) -> int:
+        """Run every graph shape the step loop can produce once, on padding inputs (the pad
+        slot's scratch position), so a static-shape backend (XLA) compiles them all before
+        serving. `on_graph(label)` is called after each one. Returns the number of graphs."""
+        began = time.perf_counter()
+        count = await self._on_device(lambda: self._warmup_graphs(on_graph or (lambda _: None)))
+        log.info("warm-up ran %d graphs in %.1fs", count, time.perf_counter() - began)
+        return count
+
+    def _warmup_graphs(self, on_graph: Callable[[str], None]) -> int:
+        count = 0
+        buckets = self.scheduler.batch_buckets
+        for n, t, kv in forward_shapes(buckets, self.token_buckets, self.scheduler.seq_buckets):
+            pos = np.full((n, t), -1, dtype=np.int64)
+            slots = np.full(n, self.pad_slot, dtype=np.int64)
+            zeros = np.zeros(n, dtype=np.int64)
+            self._run_forward(np.zeros((n, t), dtype=np.int64), pos, slots, zeros, kv)
+            on_graph(f"forward batch={n} tokens={t} kv_len={kv}")
+            count += 1
+        for n in buckets:
+            logits = torch.zeros(n, self.logits_size)
+            for m in (m for m in buckets if m <= n):
+                dev = self.backend.to_device
+                self._replace(dev(logits), dev(logits[:m].clone()), [])
+                on_graph(f"jump-forward rows batch={n} rows={m}")
+                count += 1
+            compact = np.full((n, self.words), -1, dtype=np.int32)
+            dest = np.full(n, n, dtype=np.int64)
+            ban = np.zeros(n, dtype=bool)
+            # Greedy, plain sampling, top-k/top-p: the sampler's graph kinds.
+            for kind, temp, top_p, top_k in (
+                ("greedy", 0.0, 1.0, 0),
+                ("sample", 1.0, 1.0, 0),
+                ("filter", 1.0, 0.5, 5),
+            ):
+                params: dict[str, list[Any]] = {
+                    "temperature": [temp] * n,
+                    "top_p": [top_p] * n,
+                    "top_k": [top_k] * n,
+                    "seed": [0] * n,
+                    "offset": [0] * n,
+                }
+                lg = self.backend.to_device(logits)
+                self._run_sampler(lg, compact, dest, ban, params)
+                on_graph(f"sampler batch={n} {kind}")
+                count += 1
+        return count
+
+    def _replace(self, logits: Tensor, ff_logits: Tensor, dst: list[int]) -> Tensor:
+        """Device thread: batch rows `dst` take the logits of jump-forward rows 0..len(dst)-1, as
+        one graph per (batch bucket, jump-forward bucket)."""
+        n, m = int(logits.shape[0]), int(ff_logits.shape[0])
+        index = np.full(m, n, dtype=np.int64)  # padding rows land in a spare row, sliced off
+        index[: len(dst)] = dst
+        with self.backend.inference_mode():
+            spare = torch.cat([logits, logits[:1]])
+            out = spare.index_copy(0, self.backend.to_device(torch.from_numpy(index)), ff_logits)
+            out = out[:n]
+            self.backend.mark_step()
+        return out
 
     # ------------------------------------------------------------------ token bookkeeping
     def _accept(self, req: Request, tok: int) -> None:
@@ -569,10 +656,3 @@ class Engine:
             self._finish(req, FR.FINISH_REASON_LENGTH)
             return True
         return False
-
-
-def _replace_rows(logits: Tensor, ff_logits: Tensor, dst: list[int]) -> Tensor:
-    """Batch rows `dst` take the logits of jump-forward rows 0..len(dst)-1."""
-    out = logits.clone()
-    out[torch.tensor(dst, device=logits.device)] = ff_logits[: len(dst)]
-    return out

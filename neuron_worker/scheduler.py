@@ -132,9 +132,18 @@ def prefill_len(n: int) -> int:
     return b
 
 
-def decode_len(n: int) -> int:
-    """Padded token count of a multi-token decode row (jump-forward): 1, 2, 4, 8, ..."""
-    b = 1
-    while b < n:
-        b *= 2
-    return b
+def forward_shapes(
+    batch_buckets: Sequence[int], token_buckets: Sequence[int], seq_buckets: Sequence[int]
+) -> list[tuple[int, int, int]]:
+    """Every (batch, tokens per row, kv_len) forward shape the engine can produce: a row padded to
+    token bucket t carries more tokens than the bucket below it, so its last position, and with
+    it kv_len, is at least that many."""
+    shapes: list[tuple[int, int, int]] = []
+    below = 0
+    for t in token_buckets:
+        lowest_kv = bucket_for(seq_buckets, below + 1)
+        for kv in seq_buckets:
+            if kv >= lowest_kv:
+                shapes.extend((n, t, kv) for n in batch_buckets)
+        below = t
+    return shapes
