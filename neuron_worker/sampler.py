@@ -237,9 +237,10 @@ SampleFn = Callable[..., Tensor]
 
 
 def _allow_graphs_per_function(count: int) -> None:
-    """Dynamo keeps every graph of one Python function in one cache whose size is capped (8 by
-    default); past the cap it silently falls back to eager. All sampler graphs (mode x bucket x
-    mask/no mask) are graphs of :func:`sample_tokens`, so raise the cap to cover them."""
+    """Dynamo keeps every graph of one code object in one cache whose size is capped (8 by
+    default); past the cap a ``fullgraph`` function fails hard. Every sampler graph (mode x
+    batch shape x mask/no mask x vocabulary, across Sampler instances) is a graph of the same
+    ``functools.partial`` wrapper code, so raise the cap to cover them."""
     config = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):  # renamed in torch 2.7
         if hasattr(config, name):
@@ -277,10 +278,10 @@ class Sampler:
         self.compile = compile
         self._fns: dict[Mode, SampleFn] = {}
         if compile:
-            _allow_graphs_per_function(len(MODES) * max_rows)
+            _allow_graphs_per_function(64)
         for mode in MODES:
             fn = functools.partial(sample_tokens, vocab_size=vocab_size, mode=mode)
-            self._fns[mode] = torch.compile(fn, fullgraph=True, dynamic=False) if compile else fn
+            self._fns[mode] = torch.compile(fn, fullgraph=True) if compile else fn
         self._warm: set[tuple[Mode, int]] = set()
 
     def all_ones_mask(self, n_rows: int) -> Tensor:
@@ -307,16 +308,24 @@ class Sampler:
         elif packed_mask is not None:
             raise ValueError("structured outputs are disabled: this sampler takes no mask")
         # Normalise what the graph guards on (dtype, layout) so a caller's view never recompiles.
-        logits = logits.to(torch.float32).contiguous()
-        return self._fns[params.mode](
-            logits,
+        args = [
+            logits.to(torch.float32).contiguous(),
             packed_mask,
             params.temperature.to(torch.float32).contiguous(),
             params.top_p.to(torch.float32).contiguous(),
             params.top_k.to(torch.int64).contiguous(),
             params.seed.to(torch.int64).contiguous(),
             params.offset.to(torch.int64).contiguous(),
-        )
+        ]
+        if self.compile and n >= 2 and self.max_rows > 2:
+            # One graph per mode serves every bucket >= 2 (the batch dimension is symbolic; the
+            # generated kernels loop over rows, so nothing is lost), and N = 1 gets its own
+            # static graph: 2 compilations per mode instead of one per bucket, which matters
+            # when a cold CPU compile of a sampling graph takes tens of seconds.
+            for a in args:
+                if a is not None:
+                    torch._dynamo.mark_dynamic(a, 0, min=2, max=self.max_rows)
+        return self._fns[params.mode](*args)
 
     def warmup(self, buckets: Sequence[int]) -> None:
         """Build every graph for each batch bucket (compiles when ``compile``)."""
