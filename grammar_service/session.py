@@ -370,8 +370,9 @@ class Session:
                 c = encode_rows(buf.rows(cursor), vocab)
                 out.bitmask = c.dense
                 out.mask_row_encodings.extend(c.encodings.tolist())
-                out.mask_row_id_counts.extend(c.counts.tolist())
-                out.mask_ids = c.ids
+                out.mask_row_word_counts.extend(c.counts.tolist())
+                out.mask_word_index = c.index
+                out.mask_word_values = c.values
             else:
                 out.bitmask = buf.tobytes(cursor)
         out.words_per_row = buf.words_per_row

@@ -13,8 +13,8 @@ class MaskRowEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MASK_ROW_ENCODING_UNSPECIFIED: _ClassVar[MaskRowEncoding]
     MASK_ROW_ENCODING_DENSE: _ClassVar[MaskRowEncoding]
-    MASK_ROW_ENCODING_ALLOW: _ClassVar[MaskRowEncoding]
-    MASK_ROW_ENCODING_DENY: _ClassVar[MaskRowEncoding]
+    MASK_ROW_ENCODING_SPARSE_ZEROS: _ClassVar[MaskRowEncoding]
+    MASK_ROW_ENCODING_SPARSE_ONES: _ClassVar[MaskRowEncoding]
 
 class RowStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -25,8 +25,8 @@ class RowStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROW_STATUS_UNKNOWN_REQUEST: _ClassVar[RowStatus]
 MASK_ROW_ENCODING_UNSPECIFIED: MaskRowEncoding
 MASK_ROW_ENCODING_DENSE: MaskRowEncoding
-MASK_ROW_ENCODING_ALLOW: MaskRowEncoding
-MASK_ROW_ENCODING_DENY: MaskRowEncoding
+MASK_ROW_ENCODING_SPARSE_ZEROS: MaskRowEncoding
+MASK_ROW_ENCODING_SPARSE_ONES: MaskRowEncoding
 ROW_STATUS_UNSPECIFIED: RowStatus
 ROW_STATUS_OK: RowStatus
 ROW_STATUS_DESYNC: RowStatus
@@ -132,24 +132,26 @@ class StepRow(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "rows", "bitmask", "words_per_row", "mask_row_encodings", "mask_row_id_counts", "mask_ids", "vocab_size")
+    __slots__ = ("step", "rows", "bitmask", "words_per_row", "mask_row_encodings", "mask_row_word_counts", "mask_word_index", "mask_word_values", "vocab_size")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BITMASK_FIELD_NUMBER: _ClassVar[int]
     WORDS_PER_ROW_FIELD_NUMBER: _ClassVar[int]
     MASK_ROW_ENCODINGS_FIELD_NUMBER: _ClassVar[int]
-    MASK_ROW_ID_COUNTS_FIELD_NUMBER: _ClassVar[int]
-    MASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    MASK_ROW_WORD_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    MASK_WORD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MASK_WORD_VALUES_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     step: int
     rows: _containers.RepeatedCompositeFieldContainer[RowResult]
     bitmask: bytes
     words_per_row: int
     mask_row_encodings: _containers.RepeatedScalarFieldContainer[MaskRowEncoding]
-    mask_row_id_counts: _containers.RepeatedScalarFieldContainer[int]
-    mask_ids: bytes
+    mask_row_word_counts: _containers.RepeatedScalarFieldContainer[int]
+    mask_word_index: bytes
+    mask_word_values: bytes
     vocab_size: int
-    def __init__(self, step: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowResult, _Mapping]]] = ..., bitmask: _Optional[bytes] = ..., words_per_row: _Optional[int] = ..., mask_row_encodings: _Optional[_Iterable[_Union[MaskRowEncoding, str]]] = ..., mask_row_id_counts: _Optional[_Iterable[int]] = ..., mask_ids: _Optional[bytes] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowResult, _Mapping]]] = ..., bitmask: _Optional[bytes] = ..., words_per_row: _Optional[int] = ..., mask_row_encodings: _Optional[_Iterable[_Union[MaskRowEncoding, str]]] = ..., mask_row_word_counts: _Optional[_Iterable[int]] = ..., mask_word_index: _Optional[bytes] = ..., mask_word_values: _Optional[bytes] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class RowResult(_message.Message):
     __slots__ = ("request_id", "status", "mask_rows", "accepted_drafts", "ff_tokens", "accepting", "finished", "position", "expected_position", "error")

@@ -9,24 +9,24 @@ import numpy as np
 import pytest
 
 from maskwire.bitmask import (
-    ALLOW,
     DENSE,
-    DENY,
+    SPARSE_ONES,
+    SPARSE_ZEROS,
     CompactRows,
-    _read_varints,
-    _varints,
     decode_rows,
     encode_rows,
     ones_row,
+    step_masks,
 )
 from maskwire.tokenizer import Tokenizer, load_tokenizer, tekken_path
+from maskwire.v1 import grammar_pb2
 
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def roundtrip(rows: np.ndarray, vocab: int, **kw: int) -> CompactRows:
-    c = encode_rows(rows, vocab, **kw)
-    got = decode_rows(c.encodings, c.counts, c.dense, c.ids, vocab)
+def roundtrip(rows: np.ndarray, vocab: int) -> CompactRows:
+    c = encode_rows(rows, vocab)
+    got = decode_rows(c.encodings, c.counts, c.dense, c.index, c.values, vocab)
     assert got.dtype == np.int32 and np.array_equal(got, rows)
     return c
 
@@ -40,12 +40,10 @@ def rows_with(vocab: int, allowed_sets: list[list[int]]) -> np.ndarray:
     return out.view(np.int32)
 
 
-def test_varints_roundtrip_every_length() -> None:
-    vals = np.array([0, 1, 127, 128, 300, 16383, 16384, 2**21 - 1, 2**21, 2**28, 2**32], np.int64)
-    data = _varints(vals)
-    assert len(data) == 1 + 1 + 1 + 2 + 2 + 2 + 3 + 3 + 4 + 5 + 5
-    assert _read_varints(data).tolist() == vals.tolist()
-    assert _varints(np.array([5, 0], np.int64)) == b"\x05\x00"
+def test_encodings_match_the_proto_enum() -> None:
+    assert grammar_pb2.MASK_ROW_ENCODING_DENSE == DENSE
+    assert grammar_pb2.MASK_ROW_ENCODING_SPARSE_ZEROS == SPARSE_ZEROS
+    assert grammar_pb2.MASK_ROW_ENCODING_SPARSE_ONES == SPARSE_ONES
 
 
 @pytest.mark.parametrize("vocab", [49152, 131072, 1000, 33])
@@ -65,17 +63,41 @@ def test_edge_rows(vocab: int) -> None:
     ]
     rows = rows_with(vocab, sets)
     c = roundtrip(rows, vocab)
-    assert c.encodings[0] == ALLOW and c.counts[0] == 0
-    assert c.encodings[1] == DENY and c.counts[1] == 0
-    assert c.encodings[4] == ALLOW and c.counts[4] == 2
-    assert c.encodings[5] == DENY and c.counts[5] == 1
+    enc = c.encodings.tolist()
+    assert enc[0] == SPARSE_ZEROS and c.counts[0] == 0
+    assert enc[1] == SPARSE_ONES and c.counts[1] == 0
+    if w > 3:
+        assert enc[4] == SPARSE_ZEROS and c.counts[4] == 2
+        assert enc[5] == SPARSE_ONES and c.counts[5] == 1
     # Listed rows never cost more than dense ones.
-    assert len(c.ids) + len(c.dense) <= rows.nbytes + 16
+    assert len(c.index) + len(c.values) + len(c.dense) <= rows.nbytes
     assert np.array_equal(ones_row(vocab), rows_with(vocab, [full])[0])
-    # Everything dense when listing is off.
-    d = roundtrip(rows, vocab, max_ids=-1)
-    assert (d.encodings == DENSE).all() and d.dense == rows.tobytes() and d.ids == b""
-    assert w == rows.shape[1]
+    if w > 3:
+        assert enc[7] == DENSE and enc[8] == DENSE  # no base fits: sent dense
+
+
+def test_step_masks_reads_dense_and_compact_answers() -> None:
+    vocab = 49152
+    rows = rows_with(vocab, [[3, 4000], list(range(100, vocab)), list(range(0, vocab, 2))])
+    dense = grammar_pb2.StepResult(bitmask=rows.tobytes(), words_per_row=rows.shape[1])
+    assert np.array_equal(step_masks(dense), rows)
+    c = encode_rows(rows, vocab)
+    compact = grammar_pb2.StepResult(
+        bitmask=c.dense,
+        words_per_row=rows.shape[1],
+        vocab_size=vocab,
+        mask_row_encodings=c.encodings.tolist(),
+        mask_row_word_counts=c.counts.tolist(),
+        mask_word_index=c.index,
+        mask_word_values=c.values,
+    )
+    assert compact.ByteSize() < rows.nbytes / 2
+    buf = np.zeros((8, rows.shape[1]), dtype=np.int32)
+    for res in (dense, compact):
+        got = step_masks(res, out=buf)
+        assert np.shares_memory(got, buf) and np.array_equal(got, rows)
+    with pytest.raises(ValueError, match="vocab_size"):
+        step_masks(grammar_pb2.StepResult(words_per_row=7, mask_row_encodings=[DENSE]))
 
 
 def test_random_rows_and_reused_out_buffer() -> None:
@@ -86,33 +108,33 @@ def test_random_rows_and_reused_out_buffer() -> None:
         rows = rows_with(vocab, [list(np.flatnonzero(b)) for b in bits])
         c = roundtrip(rows, vocab)
         out = np.full((32, rows.shape[1]), 12345, dtype=np.int32)
-        got = decode_rows(c.encodings, c.counts, c.dense, c.ids, vocab, out=out)
+        got = decode_rows(c.encodings, c.counts, c.dense, c.index, c.values, vocab, out=out)
         assert np.shares_memory(got, out) and np.array_equal(out[:17], rows)
         assert (out[17:] == 12345).all()
 
 
-def test_bits_past_the_vocab_keep_a_row_dense() -> None:
-    vocab = 40  # 2 words; bits 40..63 must be zero in a DENY row
-    rows = np.array([[-1, -1]], dtype=np.int32)
-    c = roundtrip(rows, vocab)
-    assert c.encodings.tolist() == [DENSE]
+def test_bits_past_the_vocab_are_kept() -> None:
+    vocab = 40  # 2 words; the all-allowed row has bits 40..63 zero
+    rows = np.array([[-1, -1], [-1, 0xFF]], dtype=np.int32)
+    roundtrip(rows, vocab)
 
 
 def test_malformed_input_is_rejected() -> None:
     vocab = 64
     ok = encode_rows(rows_with(vocab, [[1, 2], [3]]), vocab)
-    with pytest.raises(ValueError, match="ids for"):
-        decode_rows(ok.encodings, ok.counts, ok.dense, ok.ids + b"\x01", vocab)
+    with pytest.raises(ValueError, match="index and"):
+        decode_rows(ok.encodings, ok.counts, ok.dense, ok.index + b"\0\0", ok.values, vocab)
+    one = np.array([5], "<u2").tobytes()
     with pytest.raises(ValueError, match="out of range"):
-        decode_rows([ALLOW], [1], b"", _varints(np.array([64])), vocab)
+        decode_rows([SPARSE_ZEROS], [1], b"", one, b"\1\0\0\0", vocab)
     with pytest.raises(ValueError, match="unknown"):
-        decode_rows([9], [0], b"", b"", vocab)
+        decode_rows([9], [0], b"", b"", b"", vocab)
     with pytest.raises(ValueError, match="dense bytes"):
-        decode_rows([DENSE], [0], b"\x00" * 4, b"", vocab)
-    with pytest.raises(ValueError, match="truncated"):
-        decode_rows([ALLOW], [1], b"", b"\x80", vocab)
+        decode_rows([DENSE], [0], b"\x00" * 4, b"", b"", vocab)
+    with pytest.raises(ValueError, match="word counts"):
+        decode_rows([SPARSE_ONES], [3], b"", b"", b"", vocab)
     with pytest.raises(ValueError, match="out must be"):
-        decode_rows([ALLOW], [0], b"", b"", vocab, out=np.zeros((1, 3), np.int32))
+        decode_rows([SPARSE_ZEROS], [0], b"", b"", b"", vocab, out=np.zeros((1, 3), np.int32))
 
 
 SCHEMAS = [
@@ -153,8 +175,8 @@ def test_real_llguidance_states_bit_exact(spec: str) -> None:
     assert len(rows) > 40
     c = roundtrip(rows, vocab)
     kinds = set(c.encodings.tolist())
-    assert {ALLOW, DENY} <= kinds  # between keys and inside strings
-    assert len(c.ids) + len(c.dense) < rows.nbytes / 4
+    assert {SPARSE_ZEROS, SPARSE_ONES} <= kinds  # between keys and inside strings
+    assert len(c.index) + len(c.values) + len(c.dense) < rows.nbytes / 2
     # Each row decodes the same alone as in the batch.
     for r in range(0, len(rows), 7):
         one = roundtrip(rows[r : r + 1], vocab)

@@ -135,9 +135,9 @@ def test_wire_masks_equal_llguidance(
         if compact:
             assert len(res.mask_row_encodings) == len(live)
             encodings.update(res.mask_row_encodings)
-            wire_bytes += len(res.bitmask) + len(res.mask_ids)
+            wire_bytes += len(res.bitmask) + len(res.mask_word_index) + len(res.mask_word_values)
         else:
-            assert not res.mask_row_encodings and not res.mask_ids
+            assert not res.mask_row_encodings and not res.mask_word_values
             assert len(res.bitmask) == len(live) * w * 4
         got = masks(res)
         for k, name in enumerate(live):
@@ -158,10 +158,10 @@ def test_wire_masks_equal_llguidance(
         # Both lists are used (few tokens allowed between keys, almost all inside strings) and
         # the answers are far smaller than dense ones.
         assert {
-            grammar_pb2.MASK_ROW_ENCODING_ALLOW,
-            grammar_pb2.MASK_ROW_ENCODING_DENY,
+            grammar_pb2.MASK_ROW_ENCODING_SPARSE_ZEROS,
+            grammar_pb2.MASK_ROW_ENCODING_SPARSE_ONES,
         } <= encodings
-        assert wire_bytes < states * w * 4 / 4
+        assert wire_bytes < states * w * 4 / 2
     for c in all_cases:
         assert client.close(c.name).found
     client.end()
