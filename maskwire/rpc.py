@@ -118,7 +118,10 @@ class Server:
         register: Callable[[grpc.aio.Server], None],
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         credentials: grpc.ServerCredentials | None = None,
+        health_port: int = 0,
     ) -> None:
+        """`credentials` (see `maskwire.tls`) makes the port TLS; `health_port` adds a plaintext
+        port that serves only grpc.health.v1 (Kubernetes gRPC probes cannot speak TLS)."""
         self.server = grpc.aio.server(options=channel_options(max_message_bytes))
         register(self.server)
         self.health = health.aio.HealthServicer()
@@ -134,9 +137,19 @@ class Server:
             self.port = self.server.add_secure_port(address, credentials)
         if self.port == 0:
             raise OSError(f"cannot bind {address}")
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port = 0
+        if health_port:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(f"{host}:{health_port}")
+            if self.health_port == 0:
+                raise OSError(f"cannot bind the health port {host}:{health_port}")
 
     async def start(self) -> None:
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         for name in self.service_names:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -145,6 +158,8 @@ class Server:
         for name in self.service_names:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
 
     async def serve_until_signal(
         self, grace_s: float, on_drain: Callable[[], object] | None = None
@@ -166,18 +181,6 @@ class Server:
             await self.drain(grace_s)
         waiter.cancel()
         stopper.cancel()
-
-
-def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerCredentials:
-    """TLS for a server; with `client_ca`, clients must present a certificate it signed (mTLS)."""
-    with open(cert, "rb") as c, open(key, "rb") as k:
-        pair = [(k.read(), c.read())]
-    if client_ca:
-        with open(client_ca, "rb") as ca:
-            return grpc.ssl_server_credentials(
-                pair, root_certificates=ca.read(), require_client_auth=True
-            )
-    return grpc.ssl_server_credentials(pair)
 
 
 def start_metrics_server(port: int, host: str = "127.0.0.1") -> None:

@@ -17,6 +17,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from maskwire.tls import ClientTLS, make_sync_channel
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -29,10 +31,19 @@ def free_port() -> int:
 class ServiceProcess:
     """One `maskwire <command> ...` child process with its log captured to a file."""
 
-    def __init__(self, command: str, args: list[str], port: int, *, http: bool = False) -> None:
+    def __init__(
+        self,
+        command: str,
+        args: list[str],
+        port: int,
+        *,
+        http: bool = False,
+        tls: ClientTLS | None = None,
+    ) -> None:
         self.command = command
         self.port = port
         self.http = http
+        self.tls = tls  # how the gRPC health check reaches a TLS server
         self.address = f"127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the process)
             prefix=f"maskwire-{command}-", suffix=".log", delete=False
@@ -70,7 +81,7 @@ class ServiceProcess:
                     return bool(r.status == 200)
             except OSError:
                 return False
-        with grpc.insecure_channel(self.address) as ch:
+        with make_sync_channel(self.address, self.tls) as ch:
             try:
                 resp = health_pb2_grpc.HealthStub(ch).Check(
                     health_pb2.HealthCheckRequest(), timeout=2
@@ -97,10 +108,16 @@ class ServiceProcess:
 
 @contextlib.contextmanager
 def running(
-    command: str, args: list[str], *, http: bool = False, timeout_s: float = 180.0
+    command: str,
+    args: list[str],
+    *,
+    http: bool = False,
+    timeout_s: float = 180.0,
+    tls: ClientTLS | None = None,
 ) -> Iterator[ServiceProcess]:
-    """Start a service, wait until healthy, stop it (SIGTERM) afterwards."""
-    svc = ServiceProcess(command, args, free_port(), http=http)
+    """Start a service, wait until healthy, stop it (SIGTERM) afterwards; `tls` for the health
+    check of a TLS server (`maskwire.tls.client_tls(...)`)."""
+    svc = ServiceProcess(command, args, free_port(), http=http, tls=tls)
     try:
         svc.wait_ready(timeout_s)
         yield svc
