@@ -20,6 +20,9 @@ from maskwire.v1 import worker_pb2
 T = TypeVar("T")
 
 MAX_STOP_STRINGS = 4
+# SamplingParams' uint32 fields: larger values mean "no limit" here, so they are clamped (the
+# worker caps max_tokens to the context room anyway) instead of overflowing the proto.
+_UINT32_MAX = 2**32 - 1
 _FINISH_OK = (
     worker_pb2.FINISH_REASON_STOP,
     worker_pb2.FINISH_REASON_STOP_STRING,
@@ -94,8 +97,8 @@ def sampling(
     params = worker_pb2.SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=req.top_p or 0.0,
-        top_k=req.top_k or 0,
-        max_tokens=max_tokens or 0,
+        top_k=min(req.top_k or 0, _UINT32_MAX),
+        max_tokens=min(max_tokens or 0, _UINT32_MAX),
         stop=[*stop_list(req.stop), *extra_stop],
         ignore_eos=bool(req.ignore_eos),
     )
