@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
+
+from maskwire.tls import TLSConfigError, add_server_tls_arguments, server_credentials_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +32,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rows-per-step", type=int, default=4096, help="rows in one Step")
     p.add_argument("--max-drafts-per-row", type=int, default=64, help="draft tokens per row")
     p.add_argument(
+        "--compact-min-rows",
+        type=int,
+        default=16,
+        help="for clients that accept compact masks (Step.compact_masks): encode a step's mask "
+        "rows compactly from this many rows (smaller steps go dense: on loopback their bytes "
+        "cost less than encoding and decoding them)",
+    )
+    p.add_argument(
         "--max-message-bytes", type=int, default=64 * 1024 * 1024, help="gRPC message size limit"
     )
     p.add_argument(
@@ -38,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--drain-grace-s", type=float, default=5.0, help="on SIGTERM, time for in-flight work"
     )
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING... (default INFO)")
+    add_server_tls_arguments(p)
     g = p.add_argument_group("llguidance parser limits")
     g.add_argument("--max-items-in-row", type=int, default=2000)
     g.add_argument("--initial-lexer-fuel", type=int, default=1_000_000)
@@ -54,4 +66,9 @@ def run(args: argparse.Namespace) -> int:
     from maskwire.logs import setup_logging
 
     setup_logging(args.log_level)
-    return asyncio.run(main(args))
+    try:
+        credentials = server_credentials_from_args(args)
+    except TLSConfigError as e:
+        print(f"maskwire grammar-service: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(main(args, credentials))

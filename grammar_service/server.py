@@ -6,12 +6,15 @@ import argparse
 import logging
 import time
 
+import grpc
+
 from grammar_service.backend import LlgBackend
 from grammar_service.compile_cache import CompileCache
 from grammar_service.compiler import Compiler, ParserLimits
 from grammar_service.runtime import Limits, Runtime
 from grammar_service.servicer import GrammarServicer
 from maskwire.rpc import Server, start_metrics_server
+from maskwire.tls import server_tls_mode
 from maskwire.tokenizer import TokenizerLoadError, load_tokenizer
 from maskwire.v1 import grammar_pb2, grammar_pb2_grpc
 
@@ -58,11 +61,12 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
             max_requests=args.max_requests,
             max_rows_per_step=args.max_rows_per_step,
             max_drafts_per_row=args.max_drafts_per_row,
+            compact_min_rows=args.compact_min_rows,
         ),
     )
 
 
-async def main(args: argparse.Namespace) -> int:
+async def main(args: argparse.Namespace, credentials: grpc.ServerCredentials | None = None) -> int:
     try:
         runtime = build_runtime(args)
     except TokenizerLoadError as e:
@@ -75,10 +79,17 @@ async def main(args: argparse.Namespace) -> int:
         service_names=[SERVICE_NAME],
         register=lambda s: grammar_pb2_grpc.add_GrammarServiceServicer_to_server(servicer, s),
         max_message_bytes=args.max_message_bytes,
+        credentials=credentials,
+        health_port=args.health_port,
     )
     start_metrics_server(args.metrics_port, args.host)
     await server.start()
-    log.info("grammar service listening on %s:%d", args.host, server.port)
+    log.info(
+        "grammar service listening on %s:%d (%s)",
+        args.host,
+        server.port,
+        server_tls_mode(args),
+    )
     try:
         await server.serve_until_signal(args.drain_grace_s, on_drain=servicer.drain)
     finally:

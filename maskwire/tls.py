@@ -14,9 +14,10 @@ import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grpc
+if TYPE_CHECKING:  # grpc is imported where credentials are built: CLI modules stay light
+    import grpc
 
 ChannelOption = tuple[str, Any]
 
@@ -93,6 +94,8 @@ def server_credentials(
     cert: str | None, key: str | None, client_ca: str | None = None
 ) -> grpc.ServerCredentials | None:
     """Checked server credentials: None without a certificate (plaintext), mTLS with a client CA."""
+    import grpc
+
     if not cert and not key:
         if client_ca:
             raise TLSConfigError("--tls-client-ca needs --tls-cert and --tls-key")
@@ -111,6 +114,13 @@ def server_credentials(
 def server_credentials_from_args(args: argparse.Namespace) -> grpc.ServerCredentials | None:
     """Credentials from `add_server_tls_arguments` flags; raises `TLSConfigError`."""
     return server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+
+
+def server_tls_mode(args: argparse.Namespace) -> str:
+    """ "plaintext", "TLS" or "mutual TLS", for the start-up log line."""
+    if not args.tls_cert:
+        return "plaintext"
+    return "mutual TLS" if args.tls_client_ca else "TLS"
 
 
 # ---------------------------------------------------------------------------------------- client
@@ -140,6 +150,8 @@ def client_tls(
     Without `ca` the system's root certificates are trusted; `cert` + `key` are the client
     certificate an mTLS server asks for.
     """
+    import grpc
+
     if not (enabled or ca or cert or key or server_name):
         return None
     f = flag_prefix
@@ -205,6 +217,8 @@ def make_channel(
     address: str, tls: ClientTLS | None, options: Sequence[ChannelOption] | None = None
 ) -> grpc.aio.Channel:
     """An asyncio channel: TLS with `tls`, plaintext with None."""
+    import grpc
+
     if tls is None:
         return grpc.aio.insecure_channel(address, options=_options(None, options))
     return grpc.aio.secure_channel(address, tls.credentials, options=_options(tls, options))
@@ -214,6 +228,8 @@ def make_sync_channel(
     address: str, tls: ClientTLS | None, options: Sequence[ChannelOption] | None = None
 ) -> grpc.Channel:
     """A blocking channel (CLI tools, probes): TLS with `tls`, plaintext with None."""
+    import grpc
+
     if tls is None:
         return grpc.insecure_channel(address, options=_options(None, options))
     return grpc.secure_channel(address, tls.credentials, options=_options(tls, options))
