@@ -102,7 +102,8 @@ def server_credentials(
         return None
     if not cert or not key:
         raise TLSConfigError("--tls-cert and --tls-key go together")
-    pair = [(_read(key, "--tls-key"), _read(cert, "--tls-cert"))]
+    chain = _read(cert, "--tls-cert")
+    pair = [(_read(key, "--tls-key"), chain)]
     _check_pair(cert, key, "--tls-cert", "--tls-key")
     if not client_ca:
         return grpc.ssl_server_credentials(pair)
