@@ -27,6 +27,8 @@ class Limits:
     max_requests: int = 4096
     max_rows_per_step: int = 4096
     max_drafts_per_row: int = 64
+    # Steps with fewer mask rows are answered dense even when the client accepts compact rows.
+    compact_min_rows: int = 16
 
 
 class Runtime:

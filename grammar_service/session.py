@@ -366,7 +366,7 @@ class Session:
             t_fill = time.perf_counter()
             backend.fill(plain, drafted, buf.ptr, buf.one_mask_bytes, buf.capacity)
             metrics.MASK_SECONDS_PER_ROW.observe((time.perf_counter() - t_fill) / cursor)
-            if msg.compact_masks:
+            if msg.compact_masks and cursor >= self.runtime.limits.compact_min_rows:
                 c = encode_rows(buf.rows(cursor), vocab)
                 out.bitmask = c.dense
                 out.mask_row_encodings.extend(c.encodings.tolist())

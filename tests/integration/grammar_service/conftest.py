@@ -25,7 +25,9 @@ def tekken() -> Tokenizer:
 @pytest.fixture(scope="session")
 def grammar_service() -> Iterator[ServiceProcess]:
     with running(
-        "grammar-service", ["--tokenizer", "default", "--tokenizer", str(tekken_path())]
+        "grammar-service",
+        # Compact answers from the first row, so small test steps exercise them.
+        ["--tokenizer", "default", "--tokenizer", str(tekken_path()), "--compact-min-rows", "1"],
     ) as svc:
         yield svc
 

@@ -431,6 +431,20 @@ def test_oversize_schema_and_request_limit_and_disconnect(
     ch.close()
 
 
+def test_small_steps_are_answered_dense_by_default(
+    limited: ServiceProcess, smollm: Tokenizer
+) -> None:
+    """`compact_masks` lets the service choose; below --compact-min-rows (16) it sends dense."""
+    with channel(limited.address) as ch:
+        c = SessionClient(ch)
+        c.open("small", smollm, schema_constraint())
+        res = c.step([row("small", 0)], compact=True)
+        assert not res.mask_row_encodings and len(res.bitmask) == smollm.words_per_row * 4
+        np.testing.assert_array_equal(masks(res)[0], local_mask(local_matcher(smollm), smollm))
+        c.close("small")
+        c.end()
+
+
 def test_health_and_reflection(grammar_service: ServiceProcess, gs_channel: grpc.Channel) -> None:
     health = health_pb2_grpc.HealthStub(gs_channel)
     resp = health.Check(health_pb2.HealthCheckRequest(service="maskwire.v1.GrammarService"))
