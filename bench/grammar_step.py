@@ -43,6 +43,7 @@ from grammar_service.compile_cache import CompileCache  # noqa: E402
 from grammar_service.compiler import Compiler, ParserLimits  # noqa: E402
 from grammar_service.runtime import Limits, Runtime  # noqa: E402
 from grammar_service.session import Session  # noqa: E402
+from maskwire.bitmask import step_masks  # noqa: E402
 from maskwire.rpc import channel_options  # noqa: E402
 from maskwire.tokenizer import Tokenizer, load_tokenizer, tekken_path  # noqa: E402
 from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc  # noqa: E402
@@ -57,6 +58,7 @@ COMPACT = {
     "lenient": True,
 }
 ECHO_METHOD = "/bench.Echo/Echo"
+MODES = ("dense", "compact")
 
 
 # -- workload ----------------------------------------------------------------------------------
@@ -170,7 +172,7 @@ def bench_inprocess(
 
 
 async def bench_session_pure(
-    tok: Tokenizer, rows: list[dict[str, Any]], iters: int, warmup: int
+    tok: Tokenizer, rows: list[dict[str, Any]], iters: int, warmup: int, compact: bool = False
 ) -> dict[str, Any]:
     rt = Runtime(
         tokenizers=[tok],
@@ -185,14 +187,15 @@ async def bench_session_pure(
         opened = await s.open(open_msg(k, r, fp))
         assert not opened.HasField("error"), opened.error
     pos = [r["start"] for r in rows]
-    times, ser, parse = [], [], []
+    times, ser, parse, dec = [], [], [], []
+    decoded = np.empty((len(rows), tok.words_per_row), dtype=np.int32)
     for it in range(warmup + iters):
         for k, r in enumerate(rows):
             if pos[k] >= len(r["tokens"]):
                 s.close(grammar_pb2.Close(request_id=f"r{k}"))
                 await s.open(open_msg(k, r, fp))
                 pos[k] = r["start"]
-        msg = step_msg(it, rows, pos)
+        msg = step_msg(it, rows, pos, compact)
         t0 = time.perf_counter()
         res = s.step(msg)
         t1 = time.perf_counter()
@@ -201,9 +204,11 @@ async def bench_session_pure(
         t2 = time.perf_counter()
         wire = out.SerializeToString()
         t3 = time.perf_counter()
-        grammar_pb2.SessionResponse.FromString(wire)
+        parsed = grammar_pb2.SessionResponse.FromString(wire)
         grammar_pb2.SessionRequest.FromString(wire_req)
         t4 = time.perf_counter()
+        step_masks(parsed.step_result, out=decoded)
+        t5 = time.perf_counter()
         assert all(r.status == grammar_pb2.ROW_STATUS_OK for r in res.rows)
         for k in range(len(rows)):
             pos[k] += 1
@@ -211,8 +216,10 @@ async def bench_session_pure(
             times.append(t1 - t0)
             ser.append(t3 - t2)
             parse.append(t4 - t3)
+            dec.append(t5 - t4)
     return {
         "session_step": stats(times),
+        "client_decode": stats(dec),
         "serialize_answer": stats(ser),
         "parse_both": stats(parse),
         "answer_bytes": len(wire),
@@ -231,9 +238,12 @@ def open_msg(k: int, r: dict[str, Any], fp: common_pb2.TokenizerFingerprint) -> 
     )
 
 
-def step_msg(it: int, rows: list[dict[str, Any]], pos: list[int]) -> grammar_pb2.Step:
+def step_msg(
+    it: int, rows: list[dict[str, Any]], pos: list[int], compact: bool = False
+) -> grammar_pb2.Step:
     return grammar_pb2.Step(
         step=it + 1,
+        compact_masks=compact,
         rows=[
             grammar_pb2.StepRow(
                 request_id=f"r{k}", new_tokens=[r["tokens"][pos[k]]], position=pos[k] + 1
@@ -247,8 +257,14 @@ def step_msg(it: int, rows: list[dict[str, Any]], pos: list[int]) -> grammar_pb2
 
 
 async def bench_service(
-    address: str, tok: Tokenizer, rows: list[dict[str, Any]], iters: int, warmup: int
+    address: str,
+    tok: Tokenizer,
+    rows: list[dict[str, Any]],
+    iters: int,
+    warmup: int,
+    compact: bool = False,
 ) -> dict[str, Any]:
+    """The worker's path: build the Step, one round trip, mask rows into a reused buffer."""
     fp = tok.fingerprint.to_proto()
     async with grpc.aio.insecure_channel(address, options=channel_options()) as ch:
         call = grammar_pb2_grpc.GrammarServiceStub(ch).Session()
@@ -262,6 +278,8 @@ async def bench_service(
             assert not resp.opened.HasField("error"), resp.opened.error
         pos = [r["start"] for r in rows]
         times = []
+        answer_bytes = 0
+        decoded = np.empty((len(rows), tok.words_per_row), dtype=np.int32)
         for it in range(warmup + iters):
             for k, r in enumerate(rows):
                 if pos[k] >= len(r["tokens"]):
@@ -271,16 +289,18 @@ async def bench_service(
                     await send(grammar_pb2.SessionRequest(open=open_msg(k, r, fp)))
                     pos[k] = r["start"]
             t0 = time.perf_counter()
-            msg = grammar_pb2.SessionRequest(step=step_msg(it, rows, pos))
+            msg = grammar_pb2.SessionRequest(step=step_msg(it, rows, pos, compact))
             res = (await send(msg)).step_result
+            got = step_masks(res, out=decoded)
             t1 = time.perf_counter()
-            assert len(res.bitmask) == len(rows) * tok.words_per_row * 4
+            assert got.shape == (len(rows), tok.words_per_row)
+            answer_bytes = max(answer_bytes, res.ByteSize())
             for k in range(len(rows)):
                 pos[k] += 1
             if it >= warmup:
                 times.append(t1 - t0)
         await call.done_writing()
-    return {"step": stats(times)}
+    return {"step": stats(times), "max_answer_bytes": answer_bytes}
 
 
 async def bench_echo(address: str, size: int, iters: int, warmup: int) -> dict[str, Any]:
@@ -335,35 +355,46 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bs = [r["B"] for r in results["batches"]]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    batches = results["batches"]
+    bs = [r["B"] for r in batches]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     x = np.arange(len(bs))
-    wd = 0.27
-    for j, (key, label) in enumerate(
-        [
-            ("inprocess", "in-process llguidance"),
-            ("service", "grammar service (gRPC)"),
-            ("echo", "bare gRPC echo, same bytes"),
-        ]
-    ):
-        p50 = [r[key]["step"]["p50_us"] for r in results["batches"]]
-        p99 = [r[key]["step"]["p99_us"] for r in results["batches"]]
-        ax1.bar(x + (j - 1) * wd, p50, wd, label=label)
-        ax1.scatter(x + (j - 1) * wd, p99, marker="_", color="k", s=120)
+    series = [
+        ("in-process llguidance", lambda r: r["inprocess"]["step"]),
+        ("service, dense rows", lambda r: r["dense"]["service"]["step"]),
+        ("service, compact rows", lambda r: r["compact"]["service"]["step"]),
+        ("bare gRPC echo of the dense answer", lambda r: r["dense"]["echo"]["step"]),
+    ]
+    wd = 0.2
+    for j, (label, get) in enumerate(series):
+        off = (j - 1.5) * wd
+        ax1.bar(x + off, [get(r)["p50_us"] for r in batches], wd, label=label)
+        ax1.scatter(x + off, [get(r)["p99_us"] for r in batches], marker="_", color="k", s=90)
     ax1.set_xticks(x, [f"B={b}" for b in bs])
-    ax1.set_ylabel("µs per step (bar p50, tick p99)")
+    ax1.set_yscale("log")
+    ax1.set_ylabel("µs per step (bar p50, tick p99; log)")
     ax1.set_title("One grammar step, Tekken 131k vocab")
-    ax1.legend()
-    parts = ["fill", "service_python", "serialization", "transport"]
-    bottom = np.zeros(len(bs))
-    for part in parts:
-        vals = np.array([r["breakdown_p50_us"][part] for r in results["batches"]])
-        ax2.bar(x, vals, 0.5, bottom=bottom, label=part)
-        bottom += vals
-    ax2.set_xticks(x, [f"B={b}" for b in bs])
+    ax1.legend(fontsize=8)
+    parts = ["fill", "service_python", "serialization", "client_decode", "transport"]
+    colors = ["C0", "C1", "C2", "C4", "C3"]
+    for k, mode in enumerate(MODES):
+        bottom = np.zeros(len(bs))
+        for part, color in zip(parts, colors, strict=True):
+            vals = np.array([r[mode]["breakdown_p50_us"][part] for r in batches])
+            ax2.bar(
+                x + (k - 0.5) * 0.38,
+                vals,
+                0.36,
+                bottom=bottom,
+                color=color,
+                label=part if k == 0 else None,
+                hatch="//" if mode == "compact" else None,
+            )
+            bottom += vals
+    ax2.set_xticks(x, [f"B={b}\ndense | compact" for b in bs])
     ax2.set_ylabel("µs (p50)")
-    ax2.set_title("Where the service's step time goes")
-    ax2.legend()
+    ax2.set_title("Where the service's step time goes (hatched: compact)")
+    ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -391,38 +422,48 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for b in BATCHES:
             rows = all_rows[:b]
             inproc = bench_inprocess(tok, rows, args.iters, args.warmup)
-            pure = await bench_session_pure(tok, rows, args.iters, args.warmup)
-            service = await bench_service(svc.address, tok, rows, args.iters, args.warmup)
-            echo_res = await bench_echo(
-                f"127.0.0.1:{echo_port}", pure["answer_bytes"], args.iters, args.warmup
+            rec: dict[str, Any] = {"B": b, "inprocess": inproc}
+            line = (
+                f"B={b:3d} inproc {inproc['step']['p50_us']:6.0f}/{inproc['step']['p99_us']:6.0f}"
             )
-            fill = inproc["fill"]["p50_us"]
-            py = max(0.0, pure["session_step"]["p50_us"] - fill)
-            ser = pure["serialize_answer"]["p50_us"] + pure["parse_both"]["p50_us"]
-            transport = max(0.0, service["step"]["p50_us"] - pure["session_step"]["p50_us"] - ser)
-            rec = {
-                "B": b,
-                "inprocess": inproc,
-                "session_pure": pure,
-                "service": service,
-                "echo": echo_res,
-                "overhead_p50_us": service["step"]["p50_us"] - inproc["step"]["p50_us"],
-                "ratio_p50": service["step"]["p50_us"] / inproc["step"]["p50_us"],
-                "breakdown_p50_us": {
-                    "fill": fill,
-                    "service_python": py,
-                    "serialization": ser,
-                    "transport": transport,
-                },
-            }
+            for mode in MODES:
+                compact = mode == "compact"
+                pure = await bench_session_pure(tok, rows, args.iters, args.warmup, compact)
+                service = await bench_service(
+                    svc.address, tok, rows, args.iters, args.warmup, compact
+                )
+                echo_res = await bench_echo(
+                    f"127.0.0.1:{echo_port}", pure["answer_bytes"], args.iters, args.warmup
+                )
+                fill = inproc["fill"]["p50_us"]
+                py = max(0.0, pure["session_step"]["p50_us"] - fill)
+                ser = pure["serialize_answer"]["p50_us"] + pure["parse_both"]["p50_us"]
+                decode = pure["client_decode"]["p50_us"]
+                transport = max(
+                    0.0, service["step"]["p50_us"] - pure["session_step"]["p50_us"] - ser - decode
+                )
+                rec[mode] = {
+                    "session_pure": pure,
+                    "service": service,
+                    "echo": echo_res,
+                    "overhead_p50_us": service["step"]["p50_us"] - inproc["step"]["p50_us"],
+                    "ratio_p50": service["step"]["p50_us"] / inproc["step"]["p50_us"],
+                    "breakdown_p50_us": {
+                        "fill": fill,
+                        "service_python": py,
+                        "serialization": ser,
+                        "client_decode": decode,
+                        "transport": transport,
+                    },
+                }
+                line += (
+                    f" | {mode} {service['step']['p50_us']:6.0f}/{service['step']['p99_us']:6.0f}"
+                    f" x{rec[mode]['ratio_p50']:.2f} {pure['answer_bytes']}B"
+                    f" echo {echo_res['step']['p50_us']:5.0f}"
+                    f" [py {py:.0f} ser {ser:.0f} dec {decode:.0f} tr {transport:.0f}]"
+                )
             out["batches"].append(rec)
-            print(
-                f"B={b:3d} inproc p50 {inproc['step']['p50_us']:8.0f} p99 {inproc['step']['p99_us']:8.0f} | "
-                f"service p50 {service['step']['p50_us']:8.0f} p99 {service['step']['p99_us']:8.0f} | "
-                f"echo p50 {echo_res['step']['p50_us']:6.0f} | ratio {rec['ratio_p50']:.2f} "
-                f"over {rec['overhead_p50_us']:.0f} µs | breakdown {rec['breakdown_p50_us']}",
-                flush=True,
-            )
+            print(line, flush=True)
         return out
     finally:
         echo.terminate()
