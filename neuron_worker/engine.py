@@ -141,10 +141,15 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Allocate the KV cache and start the loop."""
-        await self._on_device(
-            lambda: self.model.setup_caches(self.config.max_batch + 1, self.config.max_seq_len)
-        )
+        await self._on_device(self._setup_caches)
         self._task = asyncio.create_task(self._loop(), name="maskwire-engine")
+
+    def _setup_caches(self) -> None:
+        self.model.setup_caches(self.config.max_batch + 1, self.config.max_seq_len)
+        # Materialise weights and caches (XLA: pending loader ops would otherwise become part of
+        # the first forward graph, which then never matches a later step's graph).
+        self.backend.mark_step()
+        self.backend.sync()
 
     async def stop(self) -> None:
         self._stopping = True
