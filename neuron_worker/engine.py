@@ -46,6 +46,14 @@ T = TypeVar("T")
 FR = worker_pb2.FinishReason
 
 
+_EMPTY_LANGUAGE = RpcError(
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "the constraint matches no output at all (its language is empty)",
+    [("constraint", "matches nothing")],
+    reason="EMPTY_LANGUAGE",
+)
+
+
 class ModelLike(Protocol):
     """What the engine needs of a model (neuron_worker.model.Transformer, or a bench stand-in)."""
 
@@ -313,6 +321,11 @@ class Engine:
                 ff = out.ff_tokens
                 if ff and self._append(req, ff, forced=True):
                     continue
+                if out.finished and not out.accepting:
+                    # The grammar can produce nothing and is not complete: its language is empty.
+                    # Ending with `stop` would pass an empty, non-matching output off as success.
+                    self._finish(req, FR.FINISH_REASON_ERROR, status=_EMPTY_LANGUAGE)
+                    continue
                 if out.finished:
                     self._finish(req, FR.FINISH_REASON_STOP)
                     continue
@@ -368,6 +381,13 @@ class Engine:
                 ff = out.ff_tokens
                 if ff and self._append(r, ff, forced=True):
                     continue  # finished (stop string or length) inside the forced tokens
+                if out.finished and not out.accepting:
+                    self._finish(
+                        r,
+                        FR.FINISH_REASON_ERROR,
+                        error="constraint failed: dead end before a match",
+                    )
+                    continue
                 if out.finished:
                     self._finish(r, FR.FINISH_REASON_STOP)
                     continue

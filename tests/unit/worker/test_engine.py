@@ -98,7 +98,7 @@ class FakeGrammar:
             ff = [] if done else list(FF)
             req.consumed.extend(ff)
             mask = np.full((1, TOK.words_per_row), -1, dtype=np.int32)
-            out.append(RowOutcome(ok=True, mask=mask, ff_tokens=ff, finished=done))
+            out.append(RowOutcome(ok=True, mask=mask, ff_tokens=ff, accepting=done, finished=done))
         return out
 
     def close(self, req: GrammarRequest) -> None:
