@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import chat, completions, errors, schemas
+from gateway.auth import ApiKeys
 from gateway.generation import ClientDisconnected, Context, Limiter
 from gateway.metrics import GatewayMetrics
 from gateway.workers import WorkerPool
+from maskwire.tls import ClientTLS
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +38,17 @@ class GatewayConfig:
     max_concurrency: int = 256
     health_interval_s: float = 5.0
     worker_dns_refresh_s: float = 10.0  # how often dns:/// worker targets are re-resolved
-    # Bearer tokens accepted on /v1 (empty: no authentication). Seam for `--api-key`.
+    # Bearer tokens accepted on /v1 (empty: no authentication), see gateway.auth.
     api_keys: tuple[str, ...] = field(default_factory=tuple)
+    max_concurrency_per_key: int = 64  # POST /v1 requests in flight per API key (0: no cap)
+    worker_tls: ClientTLS | None = None  # TLS/mTLS to the workers (None: plaintext)
 
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": schemas.ErrorResponse, "description": text}
     for code, text in {
         400: "Invalid request (bad schema, unsupported parameter)",
+        401: "Invalid or missing API key (when the gateway has keys)",
         404: "Unknown model",
         413: "Request body too large",
         422: "Malformed body",
@@ -96,19 +100,28 @@ class BodyLimit:
                 await _error_response(too_big)(scope, receive, send)
                 return
         seen = 0
+        exceeded = started = False
 
         async def limited() -> Message:
-            nonlocal seen
+            nonlocal seen, exceeded
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
+                    exceeded = True
                     raise _BodyTooLarge
             return message
 
-        try:
-            await self.app(scope, limited, send)
-        except _BodyTooLarge:
+        async def guarded(message: Message) -> None:
+            nonlocal started
+            if exceeded:  # FastAPI answers a failed body read with its own 400: drop it
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        with contextlib.suppress(_BodyTooLarge):
+            await self.app(scope, limited, guarded)
+        if exceeded and not started:
             await _error_response(too_big)(scope, receive, send)
 
 
@@ -152,6 +165,7 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         health_interval_s=config.health_interval_s,
         dns_refresh_s=config.worker_dns_refresh_s,
         on_health=metrics.set_worker_health,
+        tls=config.worker_tls,
     )
     ctx = Context(
         pool=the_pool,
@@ -181,19 +195,6 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
     )
     app.state.ctx = ctx
 
-    async def authorize(request: Request) -> None:
-        if not config.api_keys:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not any(secrets.compare_digest(token, k) for k in config.api_keys):
-            raise errors.APIError(
-                401,
-                "invalid or missing API key",
-                type="authentication_error",
-                code="invalid_api_key",
-            )
-
     @app.exception_handler(errors.APIError)
     async def _api_error(_: Request, exc: errors.APIError) -> JSONResponse:
         if exc.status >= 500:
@@ -214,13 +215,10 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         metrics.cancelled.inc()
         return Response(status_code=STATUS_CLIENT_CLOSED)
 
-    v1 = [Depends(authorize)]
-
     @app.post(
         "/v1/chat/completions",
         response_model=schemas.ChatCompletion,
         responses={200: _STREAM_DOC, **_ERROR_RESPONSES},
-        dependencies=v1,
         tags=["openai"],
         summary="Create a chat completion",
     )
@@ -238,7 +236,6 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         "/v1/completions",
         response_model=schemas.Completion,
         responses={200: _STREAM_DOC, **_ERROR_RESPONSES},
-        dependencies=v1,
         tags=["openai"],
         summary="Create a text completion",
     )
@@ -261,7 +258,6 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         "/v1/models",
         response_model=schemas.ModelList,
         responses={503: _ERROR_RESPONSES[503]},
-        dependencies=v1,
         tags=["openai"],
         summary="List the served models",
     )
@@ -272,7 +268,6 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         "/v1/models/{model}",
         response_model=schemas.ModelCard,
         responses={404: _ERROR_RESPONSES[404], 503: _ERROR_RESPONSES[503]},
-        dependencies=v1,
         tags=["openai"],
         summary="Describe one model",
     )
@@ -320,4 +315,11 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
 
     app.add_middleware(RequestMetrics, metrics=metrics)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    # Outermost: an unauthenticated request is refused before its body is read.
+    app.add_middleware(
+        ApiKeys,
+        keys=config.api_keys,
+        max_concurrency_per_key=config.max_concurrency_per_key,
+        on_reject=lambda reason: metrics.rejected.labels(reason).inc(),
+    )
     return app

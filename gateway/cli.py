@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from maskwire.discovery import add_refresh_argument
+from maskwire.tls import TLSConfigError, add_client_tls_arguments, client_tls_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,12 +51,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between worker health checks (default 5)",
     )
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING...")
+    keys = parser.add_argument_group(
+        "API keys (with any key configured, /v1/* needs `Authorization: Bearer KEY`; "
+        "/health, /ready and /metrics stay open)"
+    )
+    keys.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="accepted key (repeatable; visible in `ps`: prefer --api-key-file or the "
+        "MASKWIRE_API_KEYS environment variable, comma separated)",
+    )
+    keys.add_argument(
+        "--api-key-file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="file with one key per line (# comments allowed); repeatable",
+    )
+    keys.add_argument(
+        "--max-concurrency-per-key",
+        type=int,
+        default=64,
+        help="POST /v1 requests in flight per API key; more get 429 (default 64; 0: no cap)",
+    )
+    add_client_tls_arguments(parser, "worker", "the workers")
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+
     import uvicorn
 
     from gateway.app import GatewayConfig, create_app
+    from gateway.auth import KeyConfigError, load_keys
     from gateway.workers import parse_addresses
     from maskwire.discovery import TargetError, parse_targets
     from maskwire.logs import setup_logging
@@ -66,6 +96,13 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
     if args.request_timeout_s <= 0 or args.health_interval_s <= 0:
         raise SystemExit("--request-timeout-s and --health-interval-s must be positive")
+    if args.max_concurrency_per_key < 0:
+        raise SystemExit("--max-concurrency-per-key must be 0 (no cap) or more")
+    try:
+        api_keys = load_keys(args.api_key, args.api_key_file)
+        worker_tls = client_tls_from_args(args, "worker")
+    except (KeyConfigError, TLSConfigError) as e:
+        raise SystemExit(f"maskwire gateway: {e}") from e
     template = None
     if args.chat_template:
         path = Path(args.chat_template)
@@ -91,6 +128,14 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_concurrency=args.max_concurrency,
         health_interval_s=args.health_interval_s,
+        api_keys=tuple(api_keys),
+        max_concurrency_per_key=args.max_concurrency_per_key,
+        worker_tls=worker_tls,
+    )
+    logging.getLogger("gateway").info(
+        "API keys: %s; to the workers: %s",
+        f"{len(api_keys)} configured" if api_keys else "none (the API is open)",
+        "plaintext" if worker_tls is None else "mutual TLS" if args.worker_tls_cert else "TLS",
     )
     app = create_app(config)
     uvicorn.run(

@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway import errors
 from maskwire import discovery
 from maskwire.rpc import RpcError, channel_options
+from maskwire.tls import ClientTLS, make_channel
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,9 @@ class WorkerPool:
         dns_refresh_s: float = discovery.DEFAULT_REFRESH_S,
         resolve: discovery.ResolveFn | None = None,
         on_health: Callable[[str, bool], None] | None = None,
+        tls: ClientTLS | None = None,
     ) -> None:
+        self.tls = tls  # TLS/mTLS to every worker (None: plaintext)
         self.addresses = parse_addresses(addresses)
         if not self.addresses:
             raise ValueError("at least one worker address is needed")
@@ -98,7 +101,7 @@ class WorkerPool:
     def _apply(self, change: discovery.Change) -> None:
         """Follow the replica set: new workers are health-checked, gone ones closed when idle."""
         for a in sorted(change.added):
-            ch = grpc.aio.insecure_channel(a, options=channel_options())
+            ch = make_channel(a, self.tls, channel_options())
             ep = WorkerEndpoint(
                 a, ch, worker_pb2_grpc.WorkerStub(ch), health_pb2_grpc.HealthStub(ch)
             )
