@@ -22,6 +22,7 @@ import grpc
 import numpy as np
 
 from maskwire.rpc import RpcError, channel_options
+from maskwire.tls import ClientTLS, make_channel
 from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc
 from neuron_worker.metrics import GRAMMAR_REPLAYS
 
@@ -66,8 +67,9 @@ class Replica:
 
     _stream_ids = itertools.count(1)
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: ClientTLS | None = None) -> None:
         self.address = address
+        self.tls = tls
         self.requests: set[GrammarRequest] = set()
         self.stream_id = 0  # 0: no stream
         self._channel: grpc.aio.Channel | None = None
@@ -94,7 +96,7 @@ class Replica:
         if self._call is not None:
             return
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=channel_options())
+            self._channel = make_channel(self.address, self.tls, channel_options())
         stub = grammar_pb2_grpc.GrammarServiceStub(self._channel)
         self._call = stub.Session()
         self.stream_id = next(self._stream_ids)
@@ -199,8 +201,10 @@ class GrammarClient:
         words_per_row: int,
         step_timeout_s: float = 5.0,
         open_timeout_s: float = 30.0,
+        tls: ClientTLS | None = None,
     ) -> None:
-        self.replicas = [Replica(a) for a in addresses]
+        self.tls = tls  # TLS/mTLS to every replica (None: plaintext)
+        self.replicas = [Replica(a, tls) for a in addresses]
         self.fingerprint = fingerprint
         self.words_per_row = words_per_row
         self.step_timeout_s = step_timeout_s
@@ -213,7 +217,7 @@ class GrammarClient:
         """Follow service discovery: new replicas take placements at once; a removed replica's
         requests are re-opened elsewhere at their next step."""
         known = {r.address for r in self.replicas}
-        self.replicas.extend(Replica(a) for a in added if a not in known)
+        self.replicas.extend(Replica(a, self.tls) for a in added if a not in known)
         gone = set(removed)
         for replica in [r for r in self.replicas if r.address in gone]:
             self.replicas.remove(replica)
