@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from maskwire.tls import TLSConfigError, add_client_tls_arguments, client_tls_from_args
+
 if TYPE_CHECKING:
     import grpc
 
@@ -88,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="deadline for the whole request (default: none)",
     )
+    add_client_tls_arguments(parser, "worker", "the worker")
 
 
 def _read_text(path: str, what: str) -> str:
@@ -252,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
 
     from maskwire.chat_template import ChatTemplateError
     from maskwire.rpc import channel_options
+    from maskwire.tls import make_sync_channel
     from maskwire.v1 import worker_pb2, worker_pb2_grpc
 
     def fail(message: str, code: int = 1) -> int:
@@ -263,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
         if args.system and not args.chat:
             raise UsageError("--system needs --chat")
         constraint = build_constraint(args)
-    except UsageError as e:
+        tls = client_tls_from_args(args, "worker")
+    except (UsageError, TLSConfigError) as e:
         return fail(str(e), 2)
     timeout = args.timeout or None
     progress = Progress(sys.stderr, live=not args.quiet and not args.stream and sys.stderr.isatty())
@@ -271,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
     finish = worker_pb2.FINISH_REASON_UNSPECIFIED
     last: worker_pb2.GenerateResponse | None = None
     pieces: list[str] = []
-    with grpc.insecure_channel(args.worker, options=channel_options()) as channel:
+    with make_sync_channel(args.worker, tls, channel_options()) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         call = None
         try:
