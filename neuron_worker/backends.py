@@ -137,11 +137,12 @@ class XlaBackend(Backend):
 
 
 def create_backend(device: str, *, compile: bool | None = None) -> Backend:
-    """The backend for `--device`; `compile=None` picks the device's default (on for cuda)."""
+    """The backend for `--device`; `compile=None` means off (eager) until compiled graphs have
+    been validated on the device (`--compile` turns them on)."""
     if device not in DEVICES:
         raise BackendError(f"unknown device {device!r}; expected one of {', '.join(DEVICES)}")
     if compile is None:
-        compile = device == "cuda"
+        compile = False
     if device == "cuda":
         return CudaBackend(compile=compile)
     if device == "xla":

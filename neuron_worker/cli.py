@@ -81,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="torch.compile the forward and the sampler (default: on for cuda, off otherwise)",
+        help="torch.compile the forward and the sampler, one graph per bucket (default off)",
     )
     p.add_argument(
         "--jump-forward",
