@@ -6,12 +6,15 @@ for its next mask. Measured in the same run:
 
 * `inprocess`: llguidance consume (`consume_token_par` for B >= 8) + `LLExecutor` mask fill into
   a preallocated buffer: the floor any wrapper pays.
-* `service`: a grpc.aio client in this process, the service in its own process: one Step
-  round trip (serialize, loopback transport, service Python, mask fill, answer, parse).
+* `dense` / `compact`: a grpc.aio client in this process, the service in its own process: one
+  Step round trip as a worker does it (build the Step, serialize, loopback transport, service
+  Python, mask fill, answer, parse, `maskwire.bitmask.step_masks` into a reused buffer), with
+  dense answers and with `Step.compact_masks` (the service's default `--compact-min-rows 16`,
+  so B < 16 is answered dense there too).
 * `echo`: a bare grpc.aio bidi echo of a message of the same size between the same two kinds of
   process (the transport floor).
-* breakdown: `Session.step` in-process (service Python + fill, no gRPC), fill alone, and
-  serialization + parsing of the request and answer.
+* breakdown: `Session.step` in-process (service Python + fill + compact encoding, no gRPC),
+  fill alone, serialization + parsing of the request and answer, the client's decode.
 
 Writes bench/results/grammar_step.json and .png. Usage: python bench/grammar_step.py [--iters N]
 """
