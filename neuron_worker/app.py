@@ -7,10 +7,12 @@ import argparse
 import logging
 import time
 
+import grpc
 import torch
 
 from maskwire.discovery import Resolver
 from maskwire.rpc import Server, start_metrics_server
+from maskwire.tls import ClientTLS, server_tls_mode
 from maskwire.tokenizer import load_tokenizer
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
 from neuron_worker.backends import create_backend
@@ -61,7 +63,13 @@ def engine_config(args: argparse.Namespace, model_max_seq: int) -> EngineConfig:
     )
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(
+    args: argparse.Namespace,
+    *,
+    credentials: grpc.ServerCredentials | None = None,
+    grammar_tls: ClientTLS | None = None,
+) -> int:
+    """Run the worker; `credentials` make its port TLS/mTLS, `grammar_tls` its grammar channels."""
     from neuron_worker.masks import scatter_mask_rows
     from neuron_worker.model import load_model
     from neuron_worker.sampler import Sampler, SamplingTensors
@@ -97,6 +105,7 @@ async def serve(args: argparse.Namespace) -> int:
             words_per_row=tokenizer.words_per_row,
             step_timeout_s=args.grammar_timeout_s,
             open_timeout_s=args.grammar_open_timeout_s,
+            tls=grammar_tls,
         )
         client = grammar
         resolver = Resolver(
@@ -133,14 +142,17 @@ async def serve(args: argparse.Namespace) -> int:
         port=args.port,
         service_names=[WORKER_SERVICE],
         register=lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
+        credentials=credentials,
+        health_port=args.health_port,
     )
     start_metrics_server(args.metrics_port, args.host)
     await server.start()
     log.info(
-        "worker serving %s on %s:%d (%s, structured outputs %s, batch %d, context %d) in %.1fs",
+        "worker serving %s on %s:%d (%s; %s, structured outputs %s, batch %d, context %d) in %.1fs",
         model_name,
         args.host,
         server.port,
+        server_tls_mode(args),
         backend.describe(),
         "on" if config.structured_outputs else "off",
         config.max_batch,

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from maskwire.discovery import add_refresh_argument
+from maskwire.tls import add_client_tls_arguments, add_server_tls_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -115,6 +116,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--drain-grace-s", type=float, default=10.0, help="on SIGTERM, time for in-flight requests"
     )
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING... (default INFO)")
+    add_server_tls_arguments(p)
+    add_client_tls_arguments(p, "grammar", "the grammar service")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,6 +133,14 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from maskwire.tls import TLSConfigError, client_tls_from_args, server_credentials_from_args
+
+    try:  # before the model loads: a bad certificate path fails in a second, not a minute
+        credentials = server_credentials_from_args(args)
+        grammar_tls = client_tls_from_args(args, "grammar")
+    except TLSConfigError as e:
+        print(f"maskwire worker: {e}", file=sys.stderr)
+        return 2
     from neuron_worker.app import serve
 
-    return asyncio.run(serve(args))
+    return asyncio.run(serve(args, credentials=credentials, grammar_tls=grammar_tls))
