@@ -1,0 +1,362 @@
+"""Every bad input of the catalogue gets its exact status, and afterwards all three services are
+healthy, answer known-good requests correctly and hold no state left over from the bad one."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from maskwire.rpc import RpcError, channel_options
+from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.robustness.catalogue import (
+    ANY,
+    ActionCase,
+    GrammarCase,
+    HttpCase,
+    WorkerCase,
+    all_cases,
+    chat,
+    schema_body,
+)
+from tests.robustness.stack import Stack, start_stack
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    with start_stack() as s:
+        s.assert_still_serving()  # warm every path once
+        yield s
+
+
+@pytest.fixture(scope="module")
+def baseline(stack: Stack) -> dict[str, float]:
+    state = stack.live_state()
+    assert state["grammar_live_requests"] == 0 and state["worker_running"] == 0
+    return state
+
+
+def _params() -> list[Any]:
+    out = []
+    for case in all_cases():
+        marks = [pytest.mark.xfail(strict=True, reason=case.xfail)] if case.xfail else []
+        api = {HttpCase: "http", WorkerCase: "worker", GrammarCase: "grammar"}.get(
+            type(case), getattr(case, "api", "")
+        )
+        out.append(pytest.param(case, id=f"{api}-{case.name}", marks=marks))
+    return out
+
+
+def test_catalogue_is_big_enough() -> None:
+    ids = [p.id for p in _params()]
+    assert len(ids) >= 40 and len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize("case", _params())
+def test_bad_input(case: Any, stack: Stack, baseline: dict[str, float]) -> None:
+    if isinstance(case, HttpCase):
+        run_http(stack, case)
+    elif isinstance(case, WorkerCase):
+        run_worker(stack, case)
+    elif isinstance(case, GrammarCase):
+        run_grammar(stack, case)
+    else:
+        assert isinstance(case, ActionCase)
+        SCENARIOS[case.scenario](stack)
+    # The service is still healthy, still right, and nothing is left behind.
+    stack.assert_healthy()
+    stack.good_gateway_request()
+    if isinstance(case, WorkerCase) or getattr(case, "api", "") == "worker":
+        stack.good_worker_request()
+    if isinstance(case, GrammarCase) or getattr(case, "api", "") == "grammar":
+        stack.good_grammar_session()
+    stack.wait_for_baseline(baseline)
+
+
+# -- runners -------------------------------------------------------------------------------
+
+
+def run_http(stack: Stack, case: HttpCase) -> None:
+    kw: dict[str, Any] = {"headers": {"content-type": case.content_type}}
+    if isinstance(case.body, bytes):
+        kw["content"] = case.body
+    elif case.body is not None:
+        kw["content"] = json.dumps(case.body).encode()
+    r = httpx.request(case.method, f"{stack.base_url}{case.path}", timeout=120, **kw)
+    assert r.status_code == case.status, r.text[:1000]
+    body = r.json()
+    if case.status == 200:
+        assert case.check is not None
+        case.check(body)
+        return
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert "Traceback" not in err["message"]
+    if case.code is not ANY:
+        assert err["code"] == case.code, err
+    if case.param is not ANY:
+        assert err["param"] == case.param, err
+    assert case.message in err["message"], err
+
+
+def _expect_rpc_error(
+    call: Callable[[], Any], code: grpc.StatusCode, reason: str = "", field: str = ""
+) -> RpcError:
+    try:
+        call()
+    except grpc.RpcError as e:
+        err = RpcError.from_call_error(e)
+    else:
+        raise AssertionError(f"expected {code.name}, the call succeeded")
+    assert err.code is code, (err.code, err.message)
+    if reason:
+        assert err.reason == reason, (err.reason, err.message)
+    if field:
+        assert err.violations and err.violations[0][0] == field, err.violations
+    assert err.message and "Traceback" not in err.message
+    return err
+
+
+def run_worker(stack: Stack, case: WorkerCase) -> None:
+    with grpc.insecure_channel(stack.worker.address) as ch:
+        if isinstance(case.request, bytes):
+            call = ch.unary_stream(
+                "/maskwire.v1.Worker/Generate",
+                request_serializer=lambda b: b,
+                response_deserializer=worker_pb2.GenerateResponse.FromString,
+            )
+        else:
+            call = worker_pb2_grpc.WorkerStub(ch).Generate
+        req = case.request
+        _expect_rpc_error(lambda: list(call(req, timeout=60)), case.code, case.reason, case.field)
+
+
+def run_grammar(stack: Stack, case: GrammarCase) -> None:
+    tok = stack.tokenizer
+    built = case.build(tok)
+    with grpc.insecure_channel(stack.grammar.address, options=channel_options()) as ch:
+        if case.kind == "compile":
+            if isinstance(built, bytes):
+                call = ch.unary_unary(
+                    "/maskwire.v1.GrammarService/Compile",
+                    request_serializer=lambda b: b,
+                    response_deserializer=grammar_pb2.CompileResponse.FromString,
+                )
+            else:
+                call = grammar_pb2_grpc.GrammarServiceStub(ch).Compile
+            assert case.code is not None
+            _expect_rpc_error(lambda: call(built, timeout=60), case.code, field=case.field)
+            return
+        setup = grammar_pb2.SessionRequest(
+            open=grammar_pb2.Open(
+                request_id="live",
+                constraint=common_pb2.Constraint(
+                    json_schema='{"type":"object","properties":{"a":{"type":"integer"}}}'
+                ),
+                tokenizer=tok.fingerprint.to_proto(),
+            )
+        )
+        stub = grammar_pb2_grpc.GrammarServiceStub(ch)
+        msgs = [setup, *built]
+        if case.code is not None:
+            _expect_rpc_error(
+                lambda: list(stub.Session(iter(msgs), timeout=60)), case.code, field=case.field
+            )
+            return
+        answers = list(stub.Session(iter(msgs), timeout=60))
+    assert len(answers) == len(msgs)
+    assert not answers[0].opened.HasField("error"), answers[0]
+    last = answers[-1]
+    if case.opened is not None:
+        assert last.WhichOneof("kind") == "opened"
+        assert last.opened.HasField("error"), last
+        err = RpcError.from_status(last.opened.error)
+        assert err.code is case.opened[0], (err.code, err.message)
+        if case.opened[1]:
+            assert err.reason == case.opened[1], (err.reason, err.message)
+    if case.row is not None:
+        assert last.WhichOneof("kind") == "step_result"
+        row = last.step_result.rows[-1]  # the row the case is about
+        assert row.status == case.row[0], row
+        assert row.mask_rows == 0
+        if case.row[1]:
+            assert RpcError.from_status(row.error).reason == case.row[1], row
+    if case.closed_found is not None:
+        assert last.WhichOneof("kind") == "closed"
+        assert last.closed.found is case.closed_found
+
+
+# -- scenarios (ActionCase) ------------------------------------------------------------------
+
+LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
+
+
+def sse_disconnect(stack: Stack) -> None:
+    """The client reads a few SSE events of a long stream, then closes the connection."""
+    body = chat(stream=True, **LONG)
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        events = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events += 1
+            if events >= 3:
+                break
+    # The worker stops generating for it: its slot frees (checked by the caller's baseline).
+
+
+def _raw_http(stack: Stack, body: dict[str, Any], linger_s: float) -> None:
+    """Send a request on a raw socket and close it after `linger_s`, without reading."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {stack.gateway.address}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    host, port = stack.gateway.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(head + data)
+        time.sleep(linger_s)
+
+
+def sse_disconnect_early(stack: Stack) -> None:
+    _raw_http(stack, chat(stream=True, **LONG), 0.0)
+
+
+def http_disconnect(stack: Stack) -> None:
+    _raw_http(stack, chat(**LONG), 0.5)
+
+
+def external_ref(stack: Stack) -> None:
+    """A `$ref` to a URL is refused and never fetched (a local server counts the hits)."""
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"type": "integer"}')
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/schema.json"
+        schema = {"type": "object", "properties": {"a": {"$ref": url}}, "required": ["a"]}
+        r = httpx.post(
+            f"{stack.base_url}/v1/chat/completions", json=schema_body(schema), timeout=60
+        )
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "invalid_constraint" and "fetch" in err["message"], err
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert hits == []
+
+
+def grpc_cancel(stack: Stack) -> None:
+    with grpc.insecure_channel(stack.worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        call = stub.Generate(
+            worker_pb2.GenerateRequest(
+                text="Count:", sampling=worker_pb2.SamplingParams(max_tokens=200, ignore_eos=True)
+            ),
+            timeout=60,
+        )
+        it = iter(call)
+        next(it)
+        next(it)
+        call.cancel()
+
+
+def duplicate_request_id(stack: Stack) -> None:
+    """A second live request with the same id is refused; the first is not disturbed."""
+    with grpc.insecure_channel(stack.worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        params = worker_pb2.SamplingParams(max_tokens=30, ignore_eos=True)
+        first = stub.Generate(
+            worker_pb2.GenerateRequest(request_id="dup", text="Count:", sampling=params),
+            timeout=60,
+        )
+        it = iter(first)
+        msgs = [next(it)]  # "dup" is live now
+        _expect_rpc_error(
+            lambda: list(
+                stub.Generate(
+                    worker_pb2.GenerateRequest(request_id="dup", text="Hi", sampling=params),
+                    timeout=60,
+                )
+            ),
+            grpc.StatusCode.ALREADY_EXISTS,
+            field="request_id",
+        )
+        msgs += list(it)
+    assert msgs[-1].finish_reason == worker_pb2.FINISH_REASON_LENGTH
+    assert sum(len(m.token_ids) for m in msgs) == 30
+
+
+def abort_unknown(stack: Stack) -> None:
+    with grpc.insecure_channel(stack.worker.address) as ch:
+        resp = worker_pb2_grpc.WorkerStub(ch).Abort(
+            worker_pb2.AbortRequest(request_id="never-existed"), timeout=10
+        )
+    assert not resp.found
+
+
+def session_vanish(stack: Stack) -> None:
+    """A Session stream with live requests ends without Close: the service frees them all."""
+    tok = stack.tokenizer
+    with grpc.insecure_channel(stack.grammar.address, options=channel_options()) as ch:
+        stub = grammar_pb2_grpc.GrammarServiceStub(ch)
+        opens = [
+            grammar_pb2.SessionRequest(
+                open=grammar_pb2.Open(
+                    request_id=f"r{i}",
+                    constraint=common_pb2.Constraint(regex="[a-z]{1,20}"),
+                    tokenizer=tok.fingerprint.to_proto(),
+                )
+            )
+            for i in range(3)
+        ]
+        gate = threading.Event()
+
+        def requests() -> Iterator[grammar_pb2.SessionRequest]:
+            yield from opens
+            gate.wait(30)  # keep the stream open until the test has seen the requests live
+
+        call = stub.Session(requests(), timeout=60)
+        for _ in opens:
+            assert not next(call).opened.HasField("error")
+        assert stack.metric(stack.grammar_metrics, "maskwire_grammar_live_requests") >= 3
+        call.cancel()
+        gate.set()
+
+
+SCENARIOS: dict[str, Callable[[Stack], None]] = {
+    f.__name__: f
+    for f in (
+        sse_disconnect,
+        sse_disconnect_early,
+        http_disconnect,
+        external_ref,
+        grpc_cancel,
+        duplicate_request_id,
+        abort_unknown,
+        session_vanish,
+    )
+}
