@@ -20,6 +20,7 @@ from gateway.auth import ApiKeys
 from gateway.generation import ClientDisconnected, Context, Limiter
 from gateway.metrics import GatewayMetrics
 from gateway.workers import WorkerPool
+from maskwire.logs import debug_payloads
 from maskwire.tls import ClientTLS
 
 log = logging.getLogger(__name__)
@@ -198,7 +199,9 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
     @app.exception_handler(errors.APIError)
     async def _api_error(_: Request, exc: errors.APIError) -> JSONResponse:
         if exc.status >= 500:
-            log.warning("request failed: %s %s", exc.status, exc.message)
+            # Worker messages can echo request content: the text only with debug logging.
+            detail = exc.message if debug_payloads() else f"code {exc.code}"
+            log.warning("request failed: %s %s", exc.status, detail)
         return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)

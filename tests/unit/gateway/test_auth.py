@@ -18,7 +18,7 @@ from gateway.auth import ENV_VAR, KeyConfigError, load_keys
 from maskwire.v1 import worker_pb2
 from tests.unit.gateway.fake_worker import MODEL, FakeWorkerServer, Reply
 
-USER = [{"role": "user", "content": "hi"}]
+USER: Any = [{"role": "user", "content": "hi"}]
 KEY_A = "sk-maskwire-a-0123456789"
 KEY_B = "sk-maskwire-b-9876543210"
 
@@ -66,7 +66,7 @@ def test_without_keys_the_api_is_open(fake: FakeWorkerServer) -> None:
 
 def test_valid_keys_are_accepted(secured: TestClient) -> None:
     for key in (KEY_A, KEY_B):
-        r = sdk(secured, key).chat.completions.create(model=MODEL, messages=USER)  # type: ignore[arg-type]
+        r = sdk(secured, key).chat.completions.create(model=MODEL, messages=USER)
         assert r.choices[0].message.content == "Hello world"
         assert sdk(secured, key).models.retrieve(MODEL).id == MODEL
 
@@ -75,7 +75,7 @@ def test_wrong_key_is_401_in_openai_shape(secured: TestClient, fake: FakeWorkerS
     before = len(fake.worker.requests)
     for key in ("sk-wrong", KEY_A + "x", KEY_A[:-1], f"{KEY_A} {KEY_B}"):
         with pytest.raises(openai.AuthenticationError) as e:
-            sdk(secured, key).chat.completions.create(model=MODEL, messages=USER)  # type: ignore[arg-type]
+            sdk(secured, key).chat.completions.create(model=MODEL, messages=USER)
         assert e.value.status_code == 401
         _assert_invalid_key(e.value.response.json())
     assert len(fake.worker.requests) == before, "a refused request must not reach a worker"
@@ -159,7 +159,7 @@ def test_per_key_concurrency_is_429(fake: FakeWorkerServer) -> None:
         gate = _hold(fake)
         before = len(fake.worker.requests)
         first = threading.Thread(
-            target=lambda: sdk(tc, KEY_A).chat.completions.create(model=MODEL, messages=USER)  # type: ignore[arg-type]
+            target=lambda: sdk(tc, KEY_A).chat.completions.create(model=MODEL, messages=USER)
         )
         first.start()
         try:
@@ -171,12 +171,12 @@ def test_per_key_concurrency_is_429(fake: FakeWorkerServer) -> None:
             # Another key is not held back, and reads are not counted.
             assert sdk(tc, KEY_A).models.list().data
             fake.worker.reply = lambda _: Reply()
-            other = sdk(tc, KEY_B).chat.completions.create(model=MODEL, messages=USER)  # type: ignore[arg-type]
+            other = sdk(tc, KEY_B).chat.completions.create(model=MODEL, messages=USER)
             assert other.choices[0].message.content == "Hello world"
         finally:
             gate.set()
             first.join()
-        assert sdk(tc, KEY_A).chat.completions.create(model=MODEL, messages=USER).choices  # type: ignore[arg-type]
+        assert sdk(tc, KEY_A).chat.completions.create(model=MODEL, messages=USER).choices
         assert 'reason="key_concurrency"' in tc.get("/metrics").text
 
 
@@ -185,17 +185,17 @@ def test_a_stream_holds_its_key_slot_until_it_ends(fake: FakeWorkerServer) -> No
     with gateway(fake, api_keys=(KEY_A,), max_concurrency_per_key=1) as tc:
         stream = sdk(tc, KEY_A).chat.completions.create(
             model=MODEL,
-            messages=USER,  # type: ignore[arg-type]
+            messages=USER,
             stream=True,
         )
         first = next(iter(stream))
         assert first.choices[0].delta.role == "assistant"
         with pytest.raises(openai.RateLimitError):
-            sdk(tc, KEY_A).chat.completions.create(model=MODEL, messages=USER)  # type: ignore[arg-type]
+            sdk(tc, KEY_A).chat.completions.create(model=MODEL, messages=USER)
         rest = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert rest == "abc"
         stream.close()
-        assert sdk(tc, KEY_A).chat.completions.create(model=MODEL, messages=USER).choices  # type: ignore[arg-type]
+        assert sdk(tc, KEY_A).chat.completions.create(model=MODEL, messages=USER).choices
 
 
 # ------------------------------------------------------------------------------ key loading
