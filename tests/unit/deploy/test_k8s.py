@@ -16,7 +16,7 @@ KUBE_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
 
 
 def test_overlays_exist() -> None:
-    assert OVERLAYS == ["cpu", "neuron"]
+    assert OVERLAYS == ["cpu", "neuron", "secure"]
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
@@ -128,7 +128,11 @@ def test_probes(rendered) -> None:
     _, objs = rendered
     for name in ("grammar", "worker"):
         c = _container(objs, name)
-        port = _args(c).port
+        args = _args(c)
+        # Kubernetes gRPC probes cannot speak TLS: a TLS server is probed on its plaintext
+        # health-only port.
+        assert bool(args.tls_cert) == bool(args.health_port), name
+        port = args.health_port or args.port
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == port, (name, probe)
     gw = _container(objs, "gateway")
