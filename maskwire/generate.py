@@ -179,7 +179,8 @@ def describe_rpc_error(err: grpc.RpcError, worker: str) -> str:
         cause = rich.message.rsplit(": ", 1)[-1]
         return (
             f"UNAVAILABLE: cannot reach a worker at {worker} ({cause}); "
-            "start one with `maskwire up` or pass --worker HOST:PORT"
+            "start one with `maskwire up` or pass --worker HOST:PORT (a TLS worker needs "
+            "--worker-tls-ca, and --worker-tls-cert/--worker-tls-key when it requires mutual TLS)"
         )
     line = f"{rich.code.name}: {rich.message or 'no details'}"
     # Field violations add what the message does not already say.
