@@ -274,6 +274,7 @@ class Engine:
                 admitted = self.scheduler.admit()
                 if admitted:
                     await self._prefill(admitted)
+                    self._flush_outputs()  # first tokens out now, not after the next step
                 batch = [r for r in self.scheduler.running if r.pending is not None]
                 if batch:
                     await self._decode(batch)
