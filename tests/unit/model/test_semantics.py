@@ -143,3 +143,20 @@ def test_forward_is_one_graph() -> None:
         eager = model(tokens, pos, torch.tensor([0, 1]), 16)
         compiled = step(tokens, pos, torch.tensor([0, 1]), 16)
     torch.testing.assert_close(compiled, eager)
+
+
+def test_compiled_blocks_share_one_graph() -> None:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model(tiny_config(n_layers=4))
+    reference = tiny_model(tiny_config(n_layers=4))
+    model.compile_blocks(backend="eager")
+    tokens, pos = padded_batch([SEQ_A[:3], SEQ_B[:1]], [0, 0])
+    with torch.inference_mode():
+        for step in range(2):  # the second call reuses the graph (decode-like steady state)
+            got = model(tokens, pos + 3 * step, torch.tensor([0, 1]), 16)
+            expected = reference(tokens, pos + 3 * step, torch.tensor([0, 1]), 16)
+            torch.testing.assert_close(got, expected)
+    assert counters["stats"]["unique_graphs"] == 1
