@@ -19,6 +19,7 @@ for that request.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -206,19 +207,14 @@ def _sample_random(
     width = x.shape[1]
     t = torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
     peak = x.max(dim=-1, keepdim=True).values
-    # Unnormalised probabilities; masked columns are exactly 0.
-    weights = torch.exp((x - peak) / t)
     u = row_uniform(seed, offset).unsqueeze(1)
-    cdf = weights.cumsum(dim=-1)
-    target = u * cdf[:, -1:]
-    # First column whose cdf reaches the target: zero-weight columns never qualify because
-    # target > 0 and their cdf equals the previous column's.
-    plain = (cdf < target).sum(dim=-1).clamp(max=width - 1)
+    plain = _inverse_cdf_columns(x, peak, t, u)
     if mode == "sample":
         return plain
 
     # Rows without top-k / top-p keep the unsorted draw, so a row's token never depends on
     # whether another row of the batch made this step take the sorting graph.
+    weights = torch.exp((x - peak) / t)  # unnormalised; masked columns are exactly 0
     sorted_w, order = weights.sort(dim=-1, descending=True)
     sorted_cdf = sorted_w.cumsum(dim=-1)
     total = sorted_cdf[:, -1:]
@@ -231,6 +227,36 @@ def _sample_random(
     j = (kept_cdf < u * kept_cdf[:, -1:]).sum(dim=-1).clamp(max=width - 1)
     filtered = order.gather(1, j.unsqueeze(1)).squeeze(1)
     return torch.where((top_k > 0) | (top_p < 1), filtered, plain)
+
+
+_BLOCK = 1024
+
+
+def _inverse_cdf_columns(x: Tensor, peak: Tensor, t: Tensor, u: Tensor) -> Tensor:
+    """First column whose cumulative weight ``exp((x - peak) / t)`` reaches ``u`` of the total.
+
+    Two levels instead of one cumsum over the whole row: block sums (one fused pass over the
+    logits, nothing row-sized is stored), pick the block, then a cumsum inside that block only.
+    A full-width cumsum materialises two [N, V] float tensors per step, which cost 10-30x the
+    argmax on CPU. Zero-weight (masked) columns are never returned for a row with any weight:
+    the target within the chosen block is clamped to (0, block mass].
+    """
+    n, width = x.shape
+    blocks = -(-width // _BLOCK)
+    xb = torch.nn.functional.pad(x, (0, blocks * _BLOCK - width), value=float("-inf"))
+    xb = xb.view(n, blocks, _BLOCK)
+    block_sum = torch.exp((xb - peak.unsqueeze(2)) / t.unsqueeze(2)).sum(dim=-1)
+    block_cdf = block_sum.cumsum(dim=-1)
+    target = u * block_cdf[:, -1:]
+    b = (block_cdf < target).sum(dim=-1, keepdim=True).clamp(max=blocks - 1)
+    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), 0.0)
+    # Share of the chosen block's own mass still to cover: > 0 because the mass before the
+    # block is below the target; at most 1 up to rounding.
+    share = ((target - before) / block_sum.gather(1, b)).clamp(min=1e-30, max=1.0)
+    inner = xb.gather(1, b.unsqueeze(2).expand(n, 1, _BLOCK)).squeeze(1)
+    inner_cdf = torch.exp((inner - peak) / t).cumsum(dim=-1)
+    j = (inner_cdf < share * inner_cdf[:, -1:]).sum(dim=-1, keepdim=True).clamp(max=_BLOCK - 1)
+    return (b * _BLOCK + j).squeeze(1).clamp(max=width - 1)
 
 
 SampleFn = Callable[..., Tensor]
@@ -266,6 +292,7 @@ class Sampler:
         device: torch.device | str,
         structured_outputs: bool,
         compile: bool,
+        cpu_threads: int | None = 1,
     ) -> None:
         if vocab_size <= 0 or logits_size <= 0 or max_rows <= 0:
             raise ValueError("vocab_size, logits_size and max_rows must be positive")
@@ -279,9 +306,18 @@ class Sampler:
         self._fns: dict[Mode, SampleFn] = {}
         if compile:
             _allow_graphs_per_function(64)
+        # Compiled CPU kernels run every reduction inside an OpenMP parallel region, even for
+        # one 131k row; on a small host shared with the grammar service and the RPC threads,
+        # one descheduled OpenMP thread stalls the whole region for a scheduler tick (measured
+        # here: 12 ms medians for a 0.6 ms kernel at B=8). ATen's eager kernels only go
+        # parallel above 32k elements per task. One thread per sampler kernel is the robust
+        # choice on CPU (bench/sampler.py); None keeps torch's thread count.
+        options: dict[str, str | int | bool | Callable[..., object]] = {}
+        if cpu_threads and self.device.type == "cpu":
+            options["cpp.threads"] = cpu_threads
         for mode in MODES:
             fn = functools.partial(sample_tokens, vocab_size=vocab_size, mode=mode)
-            self._fns[mode] = torch.compile(fn, fullgraph=True) if compile else fn
+            self._fns[mode] = torch.compile(fn, fullgraph=True, options=options) if compile else fn
         self._warm: set[tuple[Mode, int]] = set()
 
     def all_ones_mask(self, n_rows: int) -> Tensor:
@@ -325,10 +361,23 @@ class Sampler:
             for a in args:
                 if a is not None:
                     torch._dynamo.mark_dynamic(a, 0, min=2, max=self.max_rows)
-        return self._fns[params.mode](*args)
+        with self._no_grad():
+            return self._fns[params.mode](*args)
+
+    def _no_grad(self) -> contextlib.AbstractContextManager[object]:
+        """Grad mode and the inputs' dispatch keys (inference tensors or not) are part of every
+        graph's guards, so the sampler fixes the mode and warms up with tensors made under it:
+        inference mode, as the engine runs it (torch_xla rejects inference tensors: no_grad)."""
+        return torch.no_grad() if self.device.type == "xla" else torch.inference_mode()
 
     def warmup(self, buckets: Sequence[int]) -> None:
-        """Build every graph for each batch bucket (compiles when ``compile``)."""
+        """Build every graph for each batch bucket (compiles when ``compile``). Later calls reuse
+        them when their tensors, like the engine's, are made under ``torch.inference_mode()``
+        (``no_grad`` on XLA); ordinary tensors would add one graph per mode and shape kind."""
+        with self._no_grad():
+            self._warmup(buckets)
+
+    def _warmup(self, buckets: Sequence[int]) -> None:
         for n in buckets:
             if not 0 < n <= self.max_rows:
                 raise ValueError(f"bucket {n} outside [1, {self.max_rows}]")

@@ -96,7 +96,8 @@ def _tensors(p: SamplingTensors) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("n", BUCKETS)
 def test_compiled_matches_eager_without_recompiling(warmed: Sampler, n: int) -> None:
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    with torch._dynamo.config.patch(error_on_recompile=True):
+    # Inputs made under inference mode, as the engine makes them.
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.inference_mode():
         for seed in range(3):
             logits, mask, params = mixed_inputs(n, warmed.device, seed)
             for mode in MODES:
@@ -143,7 +144,7 @@ def test_compiled_matches_eager_without_recompiling(warmed: Sampler, n: int) -> 
 @pytest.mark.slow
 def test_unwarmed_bucket_shape_is_still_served_by_the_batch_graph(warmed: Sampler) -> None:
     """Buckets >= 2 share one graph per mode: a bucket never warmed up does not compile."""
-    with torch._dynamo.config.patch(error_on_recompile=True):
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.inference_mode():
         logits, mask, params = mixed_inputs(13, warmed.device, 9)
         out = warmed(logits, mask, params)
     assert out.shape == (13,)
