@@ -1,8 +1,8 @@
 """Model forward speed on this CPU: decode tokens/s at batch 1 and 8, and prefill time.
 
-The embedded SmolLM2-135M through `neuron_worker.model`, in four variants measured in one run:
-eager and `torch.compile(fullgraph=True, dynamic=False)` of the forward, each in fp32 and bf16.
-A decode step is what the worker runs per token: `forward` of B rows x 1 token at a static
+The embedded SmolLM2-135M through `neuron_worker.model`, in fp32 and bf16, measured in one run:
+`eager`; `compiled` = `torch.compile(fullgraph=True, dynamic=False)` of the whole forward; `blocks`
+= `Transformer.compile_blocks()` (one compiled graph shared by all 30 layers). A decode step is what the worker runs per token: `forward` of B rows x 1 token at a static
 `kv_len` bucket plus the LM head (`logits`) for those rows. Every slot holds a 128-token context.
 Prefill: one row of 128 or 512 tokens, forward + LM head of the last token.
 
@@ -76,11 +76,13 @@ def timed(fn: Callable[[], Any], steps: int, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def measure(model: Transformer, compiled: bool, steps: int, repeats: int) -> dict[str, Any]:
+def measure(model: Transformer, mode: str, steps: int, repeats: int) -> dict[str, Any]:
     forward: Callable[..., torch.Tensor] = model
     compile_s = 0.0
-    if compiled:
+    if mode == "compiled":
         forward = torch.compile(model, fullgraph=True, dynamic=False)
+    elif mode == "blocks":
+        model.compile_blocks()
 
     def run(
         tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, kv_len: int
@@ -168,7 +170,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=16, help="decode steps per timing")
     parser.add_argument("--repeats", type=int, default=5, help="timings per number (median)")
-    parser.add_argument("--variants", default="eager-fp32,compiled-fp32,eager-bf16,compiled-bf16")
+    parser.add_argument(
+        "--variants",
+        default="eager-fp32,eager-bf16,blocks-fp32,blocks-bf16,compiled-fp32,compiled-bf16",
+        help="comma-separated MODE-DTYPE, MODE in eager|blocks|compiled, DTYPE in fp32|bf16",
+    )
     parser.add_argument("--quick", action="store_true", help="few steps (smoke run)")
     parser.add_argument("--out", type=Path, default=RESULTS / "forward.json")
     args = parser.parse_args()
@@ -191,7 +197,7 @@ def main() -> int:
         torch._dynamo.reset()
         model = load_model("default", dtype=DTYPES[dtype_name])
         model.setup_caches(8, MAX_SEQ)
-        res = measure(model, mode == "compiled", args.steps, args.repeats)
+        res = measure(model, mode, args.steps, args.repeats)
         res["greedy"] = greedy_text(model)
         results["variants"][variant] = res
         d = res["decode"]
@@ -202,10 +208,11 @@ def main() -> int:
             flush=True,
         )
         del model
-    results["load_average"]["after"] = os.getloadavg()[0]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, args.out.with_suffix(".png"))
+        # Written after every variant, so a long run interrupted still leaves results.
+        results["load_average"]["after"] = os.getloadavg()[0]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        plot(results, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 
