@@ -1,0 +1,42 @@
+"""Helpers for the fault tests: constrained requests long enough to be hit mid-generation, and
+their checks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import jsonschema
+
+from maskwire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.integration.worker.conftest import SCHEMAS, Result, chat, generate
+
+# Tens of tokens: long enough that a fault lands mid-generation.
+LIST_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "items": SCHEMAS["person"],
+    "minItems": 3,
+    "maxItems": 3,
+}
+LIST_CONSTRAINT = common_pb2.Constraint(json_schema=json.dumps(LIST_SCHEMA))
+
+
+def assert_valid(r: Result) -> None:
+    assert r.final.finish_reason == worker_pb2.FINISH_REASON_STOP, (r.final, r.text)
+    jsonschema.validate(json.loads(r.text), LIST_SCHEMA)
+
+
+def start_constrained(stub: worker_pb2_grpc.WorkerStub, n: int) -> list[asyncio.Task[Result]]:
+    return [
+        asyncio.create_task(
+            generate(stub, chat(f"Three people as JSON, set {i}."), LIST_CONSTRAINT, max_tokens=120)
+        )
+        for i in range(n)
+    ]
+
+
+async def first_tokens(tasks: list[asyncio.Task[Result]], seconds: float = 1.5) -> None:
+    """Let generation get going (and check nothing has finished yet)."""
+    await asyncio.sleep(seconds)
+    assert not any(t.done() for t in tasks), "requests finished before the fault"
