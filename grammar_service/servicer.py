@@ -16,6 +16,8 @@ from maskwire.v1 import grammar_pb2, grammar_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+_DRAINING = "grammar service is draining: re-open the requests elsewhere with replay_tokens"
+
 
 class _Stream:
     """Bookkeeping for one live Session call (for drain)."""
@@ -81,11 +83,14 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
                 await context.write(resp)
                 stream.busy = False
                 if self.draining:
-                    await context.abort(
-                        grpc.StatusCode.UNAVAILABLE,
-                        "grammar service is draining: re-open the requests elsewhere with replay_tokens",
-                    )
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
                     return
+        except asyncio.CancelledError:
+            if not self.draining:
+                raise
+            # `drain` cancelled this idle stream: tell the client, which would otherwise wait for
+            # answers until the grace period ends, so it re-opens its requests elsewhere now.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
         finally:
             freed = session.close_all()
             self._streams.discard(stream)
