@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 from pathlib import Path
 
 from maskwire.discovery import add_refresh_argument
@@ -138,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
         "plaintext" if worker_tls is None else "mutual TLS" if args.worker_tls_cert else "TLS",
     )
     app = create_app(config)
+    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler it found, so the
+    # process would die of it (status -15). Exit 0 instead, like the gRPC services after a drain.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_after_drain)
     uvicorn.run(
         app,
         host=args.host,
@@ -147,3 +152,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=30,
     )
     return 0
+
+
+def _exit_after_drain(signum: int, frame: object) -> None:
+    raise SystemExit(0)
