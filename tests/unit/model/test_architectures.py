@@ -67,6 +67,7 @@ def write_gguf(path: Path, arch: str, model: Any) -> None:
 
     cfg = model.config
     gguf_arch = "qwen2" if cfg.model_type == "qwen2" else "llama"
+    assert arch.startswith(gguf_arch)
     w = gguf.GGUFWriter(str(path), gguf_arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -76,6 +77,15 @@ def write_gguf(path: Path, arch: str, model: Any) -> None:
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "llama3":
+        # llama.cpp stores Llama 3.1 scaling as per-frequency divisors in `rope_freqs.weight`.
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg)
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        base = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        w.add_tensor("rope_freqs.weight", (base / scaled).numpy().astype(np.float32))
 
     def permute(t: np.ndarray, heads: int) -> np.ndarray:
         return (
@@ -143,7 +153,7 @@ def test_hf_directory_matches_transformers(arch: str, tmp_path: Path) -> None:
     torch.testing.assert_close(our_logits(model), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "llama3-scaled-tied", "qwen2"])
 def test_gguf_matches_transformers(arch: str, tmp_path: Path) -> None:
     reference = reference_model(arch)
     path = tmp_path / f"tiny-{arch}.gguf"
@@ -153,4 +163,6 @@ def test_gguf_matches_transformers(arch: str, tmp_path: Path) -> None:
     model = load_model(str(path))
     assert model.config.name == f"tiny-{arch}"
     assert model.config.qkv_bias == (arch == "qwen2")
+    assert model.config.tie_embeddings == (arch == "llama3-scaled-tied")
+    assert (model.config.rope_freq_factors is not None) == (arch == "llama3-scaled-tied")
     torch.testing.assert_close(our_logits(model), expected, atol=1e-4, rtol=1e-4)
