@@ -281,6 +281,11 @@ class Sampler:
     With ``structured_outputs`` the graphs take a packed mask (all ones when nothing is
     constrained), so the first constrained request never changes the graph; without it they take
     none and ``packed_mask`` must be None.
+
+    Compiled graphs per mode: a static one for N = 1 and one with a symbolic batch dimension for
+    every N >= 2, so ``warmup`` compiles 6 graphs whatever the buckets (cold, 5-50 s each on a
+    loaded 2-core CPU host; seconds with inductor's on-disk cache warm). The graph kind is picked
+    on the host from :attr:`SamplingTensors.mode`: no tensor value is ever read.
     """
 
     def __init__(
