@@ -175,11 +175,16 @@ def main() -> int:
         default="eager-fp32,eager-bf16,blocks-fp32,blocks-bf16,compiled-fp32,compiled-bf16",
         help="comma-separated MODE-DTYPE, MODE in eager|blocks|compiled, DTYPE in fp32|bf16",
     )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads (0 = torch's default)"
+    )
     parser.add_argument("--quick", action="store_true", help="few steps (smoke run)")
     parser.add_argument("--out", type=Path, default=RESULTS / "forward.json")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.repeats = 2, 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     results: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct (embedded GGUF, dequantized)",
