@@ -93,7 +93,7 @@ class Attention(nn.Module):
         mask: Tensor,
         write_slots: Tensor,
         write_pos: Tensor,
-        cache_slots: Tensor,
+        cache_slots: Tensor | None,
         kv_len: int,
     ) -> Tensor:
         assert self.kv_cache is not None, "call setup_caches() first"
@@ -105,9 +105,12 @@ class Attention(nn.Module):
         k = apply_rope(k.view(b, t, kvh, hd), cos, sin)
         self.kv_cache.update(write_slots, write_pos, k, v.view(b, t, kvh, hd))
 
-        # Slice before gathering: only [0, kv_len) of each row's slot is copied.
-        keys = self.kv_cache.k_cache[:, :, :kv_len][cache_slots]
-        values = self.kv_cache.v_cache[:, :, :kv_len][cache_slots]
+        if cache_slots is None:  # rows are slots 0..B-1: a view, no copy
+            keys = self.kv_cache.k_cache[:b, :, :kv_len]
+            values = self.kv_cache.v_cache[:b, :, :kv_len]
+        else:  # slice before gathering: only [0, kv_len) of each row's slot is copied
+            keys = self.kv_cache.k_cache[:, :, :kv_len][cache_slots]
+            values = self.kv_cache.v_cache[:, :, :kv_len][cache_slots]
         # GQA without repeating K/V: the `group` query heads sharing a KV head become extra query
         # rows of that head ([B, kvh, group*T, hd]); the mask is expanded to match.
         q = q.view(b, t, kvh, group, hd).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * t, hd)
@@ -146,7 +149,7 @@ class TransformerBlock(nn.Module):
         mask: Tensor,
         write_slots: Tensor,
         write_pos: Tensor,
-        cache_slots: Tensor,
+        cache_slots: Tensor | None,
         kv_len: int,
     ) -> Tensor:
         h = x + self.attention(
@@ -231,9 +234,12 @@ class Transformer(nn.Module):
         return caches
 
     def forward(
-        self, tokens: Tensor, input_pos: Tensor, cache_slots: Tensor, kv_len: int
+        self, tokens: Tensor, input_pos: Tensor, cache_slots: Tensor | None, kv_len: int
     ) -> Tensor:
         """tokens, input_pos: int64 [B, T]; cache_slots: int64 [B]; kv_len: static bucket.
+
+        `cache_slots=None` means row b uses slot b: attention then reads a view of the cache
+        instead of gathering each row's slot (cheaper; a separate compiled graph).
 
         Writes K/V of every (b, t) with input_pos >= 0 into slot cache_slots[b] at that position;
         a query at position p attends its slot's positions <= p (within [0, kv_len)). input_pos
@@ -243,6 +249,8 @@ class Transformer(nn.Module):
         if not 0 < kv_len <= self.max_seq:
             raise ValueError(f"kv_len={kv_len} outside (0, max_seq={self.max_seq}]")
         b, t = tokens.shape
+        if cache_slots is None and b > self.max_batch:
+            raise ValueError(f"cache_slots=None needs B={b} <= max_batch={self.max_batch}")
         group = self.config.n_heads // self.config.n_kv_heads
         pos = input_pos.clamp(min=0)
         cos = self.rope_cos[pos].unsqueeze(2)
@@ -250,7 +258,8 @@ class Transformer(nn.Module):
         # Padding rows see position 0 only (never an all-masked row, so never NaN).
         mask = torch.arange(kv_len, device=tokens.device) <= pos.unsqueeze(-1)  # [B, T, kv_len]
         mask = mask.unsqueeze(1).expand(b, group, t, kv_len).reshape(b, 1, group * t, kv_len)
-        write_slots = cache_slots.unsqueeze(1).expand(b, t)
+        rows = torch.arange(b, device=tokens.device) if cache_slots is None else cache_slots
+        write_slots = rows.unsqueeze(1).expand(b, t)
         write_pos = torch.where(input_pos >= 0, input_pos, self.max_seq)
 
         x = self.tok_embeddings(tokens)

@@ -160,3 +160,18 @@ def test_compiled_blocks_share_one_graph() -> None:
             expected = reference(tokens, pos + 3 * step, torch.tensor([0, 1]), 16)
             torch.testing.assert_close(got, expected)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@torch.inference_mode()
+def test_identity_slots_shortcut_equals_explicit_slots() -> None:
+    explicit, identity = tiny_model(), tiny_model()
+    tokens, pos = padded_batch([SEQ_A[:4], SEQ_B[:2]], [0, 0])
+    expected = explicit(tokens, pos, torch.tensor([0, 1]), 16)
+    torch.testing.assert_close(identity(tokens, pos, None, 16), expected, atol=0, rtol=0)
+    tokens, pos = padded_batch([SEQ_A[4:5], SEQ_B[2:3]], [4, 2])
+    expected = explicit(tokens, pos, torch.tensor([0, 1]), 16)
+    torch.testing.assert_close(identity(tokens, pos, None, 16), expected, atol=0, rtol=0)
+    for a, b in zip(explicit.kv_caches(), identity.kv_caches(), strict=True):
+        assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
+    with pytest.raises(ValueError, match="max_batch"):
+        tiny_model(max_batch=1)(tokens, pos, None, 16)
