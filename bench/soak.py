@@ -447,7 +447,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             sampler.stop()
     rss = sampler.samples
     return {
-        "config": vars(args),
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "machine": {"cpus": psutil.cpu_count(), "platform": platform.platform()},
         "steady": steady_res,
         "cancels": cancel_res,
@@ -483,7 +483,6 @@ def main() -> int:
     if not (0 < args.duration <= 3600 and 0 < args.clients <= 256 and 0 <= args.cancels <= 10000):
         p.error("bounded: --duration <= 3600, --clients <= 256, --cancels <= 10000")
     result = asyncio.run(run(args))
-    result["config"]["out"] = str(args.out)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, args.out.with_suffix(".png"))
