@@ -143,7 +143,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         xs = [x + (i - 0.5) * width for x in range(len(variants))]
         bars = ax1.bar(xs, values, width, label=f"batch {batch}")
         ax1.bar_label(bars, fmt="%.0f", fontsize=8)
-    ax1.set_xticks(range(len(variants)), variants, fontsize=8)
+    ax1.set_xticks(range(len(variants)), variants, fontsize=8, rotation=20)
     ax1.set_ylabel("decode tokens/s (forward + LM head)")
     ax1.set_title(f"Decode, kv_len {KV_LEN}, {CONTEXT}-token context")
     ax1.legend()
@@ -152,7 +152,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         xs = [x + (i - 0.5) * width for x in range(len(variants))]
         bars = ax2.bar(xs, values, width, label=f"{length} tokens")
         ax2.bar_label(bars, fmt="%.0f", fontsize=8)
-    ax2.set_xticks(range(len(variants)), variants, fontsize=8)
+    ax2.set_xticks(range(len(variants)), variants, fontsize=8, rotation=20)
     ax2.set_ylabel("prefill ms (one row)")
     ax2.set_title("Prefill")
     ax2.legend()
@@ -180,7 +180,11 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="few steps (smoke run)")
     parser.add_argument("--out", type=Path, default=RESULTS / "forward.json")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out")
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        return 0
     if args.quick:
         args.steps, args.repeats = 2, 1
     if args.threads:
