@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import jsonschema
+from prometheus_client.parser import text_string_to_metric_families
 
 from maskwire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.integration.worker.conftest import SCHEMAS, Result, chat, generate
+from tests.support.processes import ServiceProcess, free_port, running
 
 # Tens of tokens: long enough that a fault lands mid-generation.
 LIST_SCHEMA: dict[str, Any] = {
@@ -40,3 +45,38 @@ async def first_tokens(tasks: list[asyncio.Task[Result]], seconds: float = 1.5) 
     """Let generation get going (and check nothing has finished yet)."""
     await asyncio.sleep(seconds)
     assert not any(t.done() for t in tasks), "requests finished before the fault"
+
+
+@contextmanager
+def grammar_replicas(n: int, *args: str) -> Iterator[list[ServiceProcess]]:
+    """`n` grammar-service processes, each with a metrics port (`.metrics_port`)."""
+    with ExitStack() as stack:
+        out = []
+        for _ in range(n):
+            port = free_port()
+            svc = stack.enter_context(
+                running(
+                    "grammar-service",
+                    ["--tokenizer", "default", "--metrics-port", str(port), *args],
+                )
+            )
+            svc.metrics_port = port  # type: ignore[attr-defined]
+            out.append(svc)
+        yield out
+
+
+def live_requests(svc: ServiceProcess) -> float:
+    port = svc.metrics_port  # type: ignore[attr-defined]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        for fam in text_string_to_metric_families(r.read().decode()):
+            for sample in fam.samples:
+                if sample.name == "maskwire_grammar_live_requests":
+                    return sample.value
+    raise AssertionError("no maskwire_grammar_live_requests")
+
+
+def busiest_first(replicas: list[ServiceProcess]) -> list[ServiceProcess]:
+    """Replicas by live requests, most first: concurrent opens may all land on one replica."""
+    ranked = sorted(replicas, key=live_requests, reverse=True)
+    assert live_requests(ranked[0]) > 0, "no replica holds a request"
+    return ranked

@@ -10,7 +10,13 @@ from collections.abc import Iterator
 import pytest
 
 from maskwire.v1 import worker_pb2_grpc
-from tests.integration.faults.support import assert_valid, first_tokens, start_constrained
+from tests.integration.faults.support import (
+    assert_valid,
+    busiest_first,
+    first_tokens,
+    grammar_replicas,
+    start_constrained,
+)
 from tests.integration.worker.conftest import channel
 from tests.support.processes import ServiceProcess, running
 
@@ -19,8 +25,8 @@ GS_ARGS = ["--tokenizer", "default"]
 
 @pytest.fixture(scope="module")
 def replicas() -> Iterator[list[ServiceProcess]]:
-    with running("grammar-service", GS_ARGS) as a, running("grammar-service", GS_ARGS) as b:
-        yield [a, b]
+    with grammar_replicas(2) as r:
+        yield r
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +40,11 @@ def worker(replicas: list[ServiceProcess]) -> Iterator[ServiceProcess]:
 async def test_killed_replica_then_restarted_on_the_same_port(
     worker: ServiceProcess, replicas: list[ServiceProcess]
 ) -> None:
-    a, b = replicas
     async with channel(worker.address) as ch:
         stub = worker_pb2_grpc.WorkerStub(ch)
-        tasks = start_constrained(stub, 4)  # least-loaded placement: 2 on each replica
+        tasks = start_constrained(stub, 4)
         await first_tokens(tasks)
+        a, b = busiest_first(replicas)
         a.kill(signal.SIGKILL)
         for r in await asyncio.gather(*tasks):
             assert_valid(r)  # nothing lost: A's requests were replayed on B

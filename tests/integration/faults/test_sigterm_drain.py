@@ -13,7 +13,13 @@ import httpx
 import pytest
 
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
-from tests.integration.faults.support import assert_valid, first_tokens, start_constrained
+from tests.integration.faults.support import (
+    assert_valid,
+    busiest_first,
+    first_tokens,
+    grammar_replicas,
+    start_constrained,
+)
 from tests.integration.worker.conftest import channel, generate
 from tests.support.processes import ServiceProcess, running
 
@@ -22,9 +28,8 @@ GRACE_S = 20.0
 
 @pytest.fixture(scope="module")
 def replicas() -> Iterator[list[ServiceProcess]]:
-    args = ["--tokenizer", "default", "--drain-grace-s", str(GRACE_S)]
-    with running("grammar-service", args) as a, running("grammar-service", args) as b:
-        yield [a, b]
+    with grammar_replicas(2, "--drain-grace-s", str(GRACE_S)) as r:
+        yield r
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +51,12 @@ async def test_grammar_replica_drains(
         stub = worker_pb2_grpc.WorkerStub(ch)
         tasks = start_constrained(stub, 4)
         await first_tokens(tasks)
-        replicas[0].kill(signal.SIGTERM)
+        busy = busiest_first(replicas)[0]
+        busy.kill(signal.SIGTERM)
         for r in await asyncio.gather(*tasks):
             assert_valid(r)
-    assert await asyncio.to_thread(_exit_code, replicas[0]) == 0
+    assert await asyncio.to_thread(_exit_code, busy) == 0
+    assert "re-opened" in worker.log_text()
 
 
 def test_gateway_drains_an_open_stream(worker: ServiceProcess) -> None:
