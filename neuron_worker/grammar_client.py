@@ -71,6 +71,9 @@ class Replica:
         self.address = address
         self.tls = tls
         self.requests: set[GrammarRequest] = set()
+        # Opens sent but not yet answered count towards load, so a burst of concurrent Opens
+        # spreads over the replicas instead of all landing on the one that looked idle.
+        self.opening = 0
         self.stream_id = 0  # 0: no stream
         self._channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
@@ -83,7 +86,7 @@ class Replica:
 
     @property
     def load(self) -> int:
-        return len(self.requests)
+        return len(self.requests) + self.opening
 
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
@@ -252,6 +255,7 @@ class GrammarClient:
                     replay_tokens=req.consumed,
                 )
             )
+            replica.opening += 1
             try:
                 fut = await replica.send(msg)
                 resp = await asyncio.wait_for(fut, self.open_timeout_s)
@@ -261,6 +265,8 @@ class GrammarClient:
             except TimeoutError:
                 replica.mark_broken(TimeoutError(f"no answer to Open in {self.open_timeout_s}s"))
                 continue
+            finally:
+                replica.opening -= 1
             opened = resp.opened
             if opened.HasField("error"):
                 raise RpcError.from_status(opened.error)

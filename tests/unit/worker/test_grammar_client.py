@@ -149,6 +149,14 @@ async def test_least_loaded_placement_and_ordered_fan_out(replicas: list[Replica
     await c.aclose()
 
 
+async def test_concurrent_opens_spread_over_replicas(replicas: list[Replica]) -> None:
+    # Opens in flight count as load: a burst must not all land on the replica that looked idle.
+    c = client([r.address for r in replicas])
+    await asyncio.gather(*(c.open(greq(i)) for i in range(4)))
+    assert sorted(len(rep.requests) for rep in c.replicas) == [2, 2]
+    await c.aclose()
+
+
 async def test_forced_tokens_are_returned_and_counted(replicas: list[Replica]) -> None:
     c = client([replicas[0].address])
     r = greq(0, "ff")
