@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 import grpc
 from google.protobuf import any_pb2
@@ -106,6 +108,73 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
+class _Undecodable:
+    """Stands in for a request message whose bytes did not parse."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class UndecodableRequests(grpc.aio.ServerInterceptor):
+    """Answer INVALID_ARGUMENT, not grpcio's UNKNOWN, when a unary request's bytes don't parse.
+
+    grpcio deserializes before any handler runs and reports a parse failure as UNKNOWN; the
+    deserializer is wrapped so the failure reaches the handler as data and is refused there.
+    (Streaming requests are parsed lazily inside the handler, which reports its own errors.)
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def tolerant_parse(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except Exception as e:  # protobuf DecodeError, invalid UTF-8 in a string field
+                return _Undecodable(e)
+
+        async def refuse(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
+            await RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request message could not be decoded: {request.error}",
+                reason="UNDECODABLE_REQUEST",
+            ).abort(context)
+
+        if handler.response_streaming:
+            stream = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Undecodable):
+                    await refuse(request, context)
+                result = stream(request, context)
+                if inspect.isasyncgen(result):
+                    async for item in result:
+                        yield item
+                else:  # a coroutine that writes with context.write()
+                    await result
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, tolerant_parse, handler.response_serializer
+            )
+
+        unary = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Undecodable):
+                await refuse(request, context)
+            return await unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary_unary, tolerant_parse, handler.response_serializer
+        )
+
+
 class Server:
     """A grpc.aio server with health, reflection and a graceful drain on SIGTERM/SIGINT."""
 
@@ -122,7 +191,9 @@ class Server:
     ) -> None:
         """`credentials` (see `maskwire.tls`) makes the port TLS; `health_port` adds a plaintext
         port that serves only grpc.health.v1 (Kubernetes gRPC probes cannot speak TLS)."""
-        self.server = grpc.aio.server(options=channel_options(max_message_bytes))
+        self.server = grpc.aio.server(
+            options=channel_options(max_message_bytes), interceptors=[UndecodableRequests()]
+        )
         register(self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
