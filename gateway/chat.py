@@ -215,15 +215,8 @@ async def _stream(
                 yield chunk(_delta_chunk(d))
         yield chunk({}, finish_reason(stream.final, calls))
         if include_usage:
-            yield sse.event(
-                {
-                    "id": rid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": stream.usage().model_dump(),
-                }
+            yield sse.usage_event(
+                rid, "chat.completion.chunk", created, model, stream.usage().model_dump()
             )
         yield sse.DONE
         stream.done = True

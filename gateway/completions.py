@@ -131,15 +131,8 @@ async def _stream(
                 yield chunk(msg.text)
         yield chunk("", finish_reason(stream.final))
         if include_usage:
-            yield sse.event(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": stream.usage().model_dump(),
-                }
+            yield sse.usage_event(
+                rid, "text_completion", created, model, stream.usage().model_dump()
             )
         yield sse.DONE
         stream.done = True

@@ -26,6 +26,20 @@ def event(payload: dict[str, Any]) -> bytes:
     )
 
 
+def usage_event(rid: str, obj: str, created: int, model: str, usage: dict[str, Any]) -> bytes:
+    """The extra last chunk that `stream_options.include_usage` asks for: no choices, usage set."""
+    return event(
+        {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": usage,
+        }
+    )
+
+
 class EventStream(StreamingResponse):
     """An SSE response that always runs `cleanup` once it is over, even when the client left
     before the body started (then the body generator never runs its own `finally`)."""
