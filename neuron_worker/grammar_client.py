@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from maskwire.bitmask import step_masks
 from maskwire.rpc import RpcError, channel_options
 from maskwire.tls import ClientTLS, make_channel
 from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc
@@ -418,8 +419,17 @@ class GrammarClient:
                 RuntimeError(f"step {step_no}: {len(result.rows)} rows for {len(idx)}")
             )
             return idx if allow_retry else []
-        words = result.words_per_row or self.words_per_row
-        bits = np.frombuffer(result.bitmask, dtype="<i4")
+        try:
+            masks = step_masks(result)  # dense: a view of the message bytes, no copy
+            if result.words_per_row != self.words_per_row:
+                raise ValueError(
+                    f"{result.words_per_row} words per mask row, expected {self.words_per_row}"
+                )
+            if sum(r.mask_rows for r in result.rows) != len(masks):
+                raise ValueError(f"rows claim more or fewer than the {len(masks)} mask rows sent")
+        except ValueError as e:
+            replica.mark_broken(RuntimeError(f"step {step_no}: bad masks: {e}"))
+            return idx if allow_retry else []
         offset = 0
         retry: list[int] = []
         for i, row in zip(idx, result.rows, strict=True):
@@ -428,7 +438,7 @@ class GrammarClient:
             if row.status == grammar_pb2.ROW_STATUS_OK:
                 mask = None
                 if n:
-                    mask = bits[offset * words : (offset + n) * words].reshape(n, words)
+                    mask = masks[offset : offset + n]
                     offset += n
                 req.consumed.extend(new)
                 req.consumed.extend(row.ff_tokens)

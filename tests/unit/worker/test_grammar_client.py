@@ -26,6 +26,7 @@ class FakeGrammar(grammar_pb2_grpc.GrammarServiceServicer):
     def __init__(self) -> None:
         self.opens: list[tuple[str, list[int]]] = []
         self.stall = False
+        self.truncate_masks = False
         self.desync_once: set[str] = set()
 
     async def Session(
@@ -90,6 +91,8 @@ class FakeGrammar(grammar_pb2_grpc.GrammarServiceServicer):
                         )
                     )
                 bitmask = b"".join(w.to_bytes(4, "little", signed=True) for w in words)
+                if self.truncate_masks:
+                    bitmask = bitmask[: -4 * WORDS]
                 yield grammar_pb2.SessionResponse(
                     step_result=grammar_pb2.StepResult(
                         step=msg.step.step, rows=rows, bitmask=bitmask, words_per_row=WORDS
@@ -194,6 +197,21 @@ async def test_broken_replica_requests_are_replayed_elsewhere(replicas: list[Rep
     assert c.replays == 2
     replayed = {rid: toks for rid, toks in survivor.fake.opens if rid in moved}
     assert replayed == {rid: [5] for rid in moved}
+    await c.aclose()
+
+
+async def test_malformed_masks_break_the_replica_and_replay(replicas: list[Replica]) -> None:
+    # A StepResult whose bitmask doesn't match its rows must never reach the sampler.
+    c = client([r.address for r in replicas])
+    a, b = greq(0), greq(1)
+    await c.open(a)
+    await c.open(b)
+    bad = next(rep for rep in replicas if rep.address == a.replica.address)  # type: ignore[union-attr]
+    bad.fake.truncate_masks = True
+    out = await c.step([(a, [1]), (b, [1])])
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert a.replica is b.replica  # a was re-opened on the healthy replica
+    assert [int(o.mask[0, 0]) for o in out] == [1, 1]  # type: ignore[index]
     await c.aclose()
 
 
