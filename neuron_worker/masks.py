@@ -6,7 +6,8 @@ unconstrained. The grammar service returns the rows of constrained requests only
 its own row order (a request's draft rows follow its main row). The worker keeps them packed up to
 the device (8x smaller than a bool mask) and unpacks them there.
 
-Host side: :func:`compact_from_bytes` and :func:`mask_dest_index`. Device side (pure, static-shape,
+Wire bytes are decoded by :func:`maskwire.bitmask.step_masks` (shared with the grammar service's
+tests and benchmark). Host side here: :func:`mask_dest_index`. Device side (pure, static-shape,
 traceable by ``torch.compile`` and torch_xla): :func:`scatter_mask_rows` and :func:`unpack_mask`.
 """
 
@@ -19,7 +20,6 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "compact_from_bytes",
     "mask_dest_index",
     "scatter_mask_rows",
     "unpack_mask",
@@ -30,28 +30,6 @@ __all__ = [
 def words_per_row(vocab_size: int) -> int:
     """``ceil(vocab_size / 32)``: int32 words in one mask row."""
     return (vocab_size + 31) // 32
-
-
-def compact_from_bytes(
-    data: bytes, words: int, size: int, *, out: Tensor | None = None
-) -> tuple[Tensor, int]:
-    """Wire bytes (``StepResult.bitmask``) -> int32 ``[size, words]`` CPU tensor and the row count.
-
-    Rows past the ones in ``data`` are left as they are in ``out`` (junk: :func:`scatter_mask_rows`
-    drops them) or all ones in a new tensor. ``out`` lets the caller reuse a pinned buffer.
-    """
-    if len(data) % (4 * words):
-        raise ValueError(f"bitmask of {len(data)} bytes is not a whole number of {words}-word rows")
-    n = len(data) // (4 * words)
-    if n > size:
-        raise ValueError(f"{n} mask rows do not fit the static size {size}")
-    if out is None:
-        out = torch.full((size, words), -1, dtype=torch.int32)
-    elif out.shape != (size, words) or out.dtype != torch.int32 or out.device.type != "cpu":
-        raise ValueError(f"out must be a CPU int32 tensor of shape {(size, words)}")
-    if n:
-        out[:n].numpy()[...] = np.frombuffer(data, dtype="<i4").reshape(n, words)
-    return out, n
 
 
 def mask_dest_index(

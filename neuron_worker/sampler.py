@@ -30,7 +30,6 @@ import torch
 from torch import Tensor
 
 from neuron_worker.masks import (
-    compact_from_bytes,
     mask_dest_index,
     scatter_mask_rows,
     unpack_mask,
@@ -42,7 +41,6 @@ __all__ = [
     "Mode",
     "Sampler",
     "SamplingTensors",
-    "compact_from_bytes",
     "mask_dest_index",
     "row_uniform",
     "sample_tokens",

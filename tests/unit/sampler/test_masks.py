@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from neuron_worker.masks import (
-    compact_from_bytes,
     mask_dest_index,
     scatter_mask_rows,
     unpack_mask,
@@ -64,27 +63,6 @@ def test_random_rows_match_bit_by_bit(device: torch.device, vocab: int) -> None:
     # Whole rows through numpy's own bit order (little-endian bits of little-endian words).
     bits = np.unpackbits(packed.numpy().astype("<i4").view(np.uint8), bitorder="little")
     assert torch.equal(got, torch.from_numpy(bits.reshape(3, 32 * w)[:, :vocab].astype(bool)))
-
-
-def test_compact_from_bytes_roundtrip() -> None:
-    rows = np.array([[1, -1, 7], [0, 2**31 - 1, -(2**31)]], dtype="<i4")
-    out, n = compact_from_bytes(rows.tobytes(), 3, 4)
-    assert n == 2 and out.shape == (4, 3) and out.dtype == torch.int32
-    assert out[:2].tolist() == rows.tolist()
-    assert out[2:].eq(-1).all()
-    buf = torch.zeros(4, 3, dtype=torch.int32)
-    same, n = compact_from_bytes(rows[:1].tobytes(), 3, 4, out=buf)
-    assert same is buf and n == 1 and buf[0].tolist() == [1, -1, 7]
-    assert compact_from_bytes(b"", 3, 4)[1] == 0
-
-
-@pytest.mark.parametrize(
-    ("data", "words", "size"),
-    [(b"\0" * 10, 3, 4), (b"\0" * 60, 3, 4)],
-)
-def test_compact_from_bytes_rejects_bad_sizes(data: bytes, words: int, size: int) -> None:
-    with pytest.raises(ValueError):
-        compact_from_bytes(data, words, size)
 
 
 def test_dest_index_with_drafts_and_unconstrained() -> None:
