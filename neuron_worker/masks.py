@@ -19,17 +19,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from maskwire.bitmask import words_per_row
+
 __all__ = [
     "mask_dest_index",
     "scatter_mask_rows",
     "unpack_mask",
     "words_per_row",
 ]
-
-
-def words_per_row(vocab_size: int) -> int:
-    """``ceil(vocab_size / 32)``: int32 words in one mask row."""
-    return (vocab_size + 31) // 32
 
 
 def mask_dest_index(
