@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from maskwire.event_loop import add_event_loop_argument
 from maskwire.tls import TLSConfigError, add_server_tls_arguments, server_credentials_from_args
 
 
@@ -27,7 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-cache-size", type=int, default=1024, help="compiled grammars kept")
     p.add_argument("--compile-threads", type=int, default=2, help="compile thread pool size")
     p.add_argument(
-        "--mask-threads", type=int, default=0, help="llguidance executor threads (0: its default)"
+        "--mask-threads",
+        type=int,
+        default=0,
+        help="llguidance executor threads for batched mask fill (0: every CPU this process may "
+        "use; llguidance's own default is 80%% of them)",
     )
     p.add_argument("--max-rows-per-step", type=int, default=4096, help="rows in one Step")
     p.add_argument("--max-drafts-per-row", type=int, default=64, help="draft tokens per row")
@@ -50,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING... (default INFO)")
     add_server_tls_arguments(p)
+    add_event_loop_argument(p)
     g = p.add_argument_group("llguidance parser limits")
     g.add_argument("--max-items-in-row", type=int, default=2000)
     g.add_argument("--initial-lexer-fuel", type=int, default=1_000_000)
@@ -60,9 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
     from grammar_service.server import main
+    from maskwire import event_loop
     from maskwire.logs import setup_logging
 
     setup_logging(args.log_level)
@@ -71,4 +76,4 @@ def run(args: argparse.Namespace) -> int:
     except TLSConfigError as e:
         print(f"maskwire grammar-service: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(main(args, credentials))
+    return event_loop.run(main(args, credentials), args.event_loop)

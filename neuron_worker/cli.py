@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from maskwire.discovery import add_refresh_argument
+from maskwire.event_loop import add_event_loop_argument
 from maskwire.tls import add_client_tls_arguments, add_server_tls_arguments
 
 
@@ -103,6 +104,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="per-step deadline for grammar answers; past it the affected requests fail",
     )
     p.add_argument(
+        "--grammar-compact-masks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="let the grammar service answer large steps with compact mask rows (fewer bytes; "
+        "its --compact-min-rows picks the steps)",
+    )
+    p.add_argument(
         "--grammar-open-timeout-s",
         type=float,
         default=30.0,
@@ -118,11 +126,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING... (default INFO)")
     add_server_tls_arguments(p)
     add_client_tls_arguments(p, "grammar", "the grammar service")
+    add_event_loop_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
     from maskwire.logs import setup_logging
 
     setup_logging(args.log_level)
@@ -141,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
     except TLSConfigError as e:
         print(f"maskwire worker: {e}", file=sys.stderr)
         return 2
+    from maskwire import event_loop
     from neuron_worker.app import serve
 
-    return asyncio.run(serve(args, credentials=credentials, grammar_tls=grammar_tls))
+    return event_loop.run(
+        serve(args, credentials=credentials, grammar_tls=grammar_tls), args.event_loop
+    )
