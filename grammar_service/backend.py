@@ -7,6 +7,7 @@ request's parser state. Errors are state (`error()`), never exceptions, as in ll
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -82,16 +83,30 @@ class LlgRequest:
         return clean_error(self.matcher.get_error()) if self.matcher.is_error() else ""
 
 
-class LlgBackend:
-    """llguidance: matchers copied from the compiled template, `LLExecutor` for batched work."""
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
-    # Below this many rows the executor's fan-out costs more than it saves.
+
+class LlgBackend:
+    """llguidance: matchers copied from the compiled template, `LLExecutor` for batched work.
+
+    The executor gets every available CPU by default (llguidance's own default is 80% of them,
+    which is one thread on a 2-CPU pod: no parallel fill at all). Small batches skip it: handing
+    a few rows to the executor's threads and waiting costs more than filling them here
+    (measured on 2 CPUs, Tekken: 8 rows 83 µs here vs 92-142 µs through the executor).
+    """
+
+    # Below these many rows the executor's fan-out costs more than it saves.
     PAR_CONSUME_MIN = 8
+    PAR_FILL_MIN = 16
 
     def __init__(self, threads: int | None = None) -> None:
-        self.executor = (
-            llguidance.LLExecutor(num_threads=threads) if threads else llguidance.LLExecutor()
-        )
+        self.threads = threads or available_cpus()
+        self.executor = llguidance.LLExecutor(num_threads=self.threads)
 
     def new_request(self, compiled: CompiledGrammar) -> LlgRequest:
         return LlgRequest(compiled.new_matcher())
@@ -113,7 +128,12 @@ class LlgBackend:
         one_mask_bytes: int,
         n_slots: int,
     ) -> None:
-        if rows:
+        if 0 < len(rows) < self.PAR_FILL_MIN:
+            for g, slot in rows:
+                g.matcher.unsafe_compute_mask_ptr(  # type: ignore[attr-defined]
+                    buffer_ptr + slot * one_mask_bytes, one_mask_bytes
+                )
+        elif rows:
             self.executor.unsafe_compute_mask_ptr(
                 [(g.matcher, slot) for g, slot in rows],  # type: ignore[attr-defined]
                 buffer_ptr,
