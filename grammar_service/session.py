@@ -48,10 +48,6 @@ class Request:
         self.position = 0
         self.dead: status_pb2.Status | None = None
 
-    @property
-    def constrained(self) -> bool:
-        return self.gate is None or self.gate.done
-
 
 def _row_error(message: str, reason: str) -> status_pb2.Status:
     return status_proto(grpc.StatusCode.INVALID_ARGUMENT, message, reason=reason)
@@ -236,16 +232,19 @@ class Session:
 
         # Phase 1: check every row, feed reasoning gates, collect grammar tokens.
         # state[i]: the Request when the row is OK so far, else None (result already decided).
+        # The loops below run once per row of every step: they read each protobuf field once
+        # and keep the common case (one new token, no drafts, no reasoning gate) short.
+        rids = [row.request_id for row in rows]
         state: list[Request | None] = [None] * n
         status = [OK] * n
         errors: list[status_pb2.Status | None] = [None] * n
         expected = [0] * n
+        drafts_of: dict[int, list[int]] = {}
         singles: list[tuple[RequestGrammar, int]] = []
         single_idx: list[int] = []
         seen: set[str] = set()
-        for i in range(n):
-            row = rows[i]
-            rid = row.request_id
+        for i, row in enumerate(rows):
+            rid = rids[i]
             req = requests.get(rid)
             if req is None:
                 status[i] = UNKNOWN
@@ -262,21 +261,14 @@ class Session:
                 status[i] = ERROR
                 errors[i] = req.dead
                 continue
-            new = row.new_tokens
+            new = list(row.new_tokens)
             k = len(new)
             want = req.position + k
             if row.position != want:
                 status[i] = DESYNC
                 expected[i] = want
                 continue
-            if k == 1:
-                t = new[0]
-                if not 0 <= t < vocab:
-                    self._kill(req, f"token {t} is out of range [0, {vocab})", "TOKEN_OUT_OF_RANGE")
-                    status[i] = ERROR
-                    errors[i] = req.dead
-                    continue
-            elif k > 1 and (min(new) < 0 or max(new) >= vocab):
+            if k and (min(new) < 0 or max(new) >= vocab):
                 bad = next(t for t in new if not 0 <= t < vocab)
                 self._kill(req, f"token {bad} is out of range [0, {vocab})", "TOKEN_OUT_OF_RANGE")
                 status[i] = ERROR
@@ -284,6 +276,9 @@ class Session:
                 continue
             req.position = want
             state[i] = req
+            drafts = row.draft_tokens
+            if drafts:
+                drafts_of[i] = list(drafts[:max_drafts])
             if k == 0:
                 continue
             gate = req.gate
@@ -291,14 +286,12 @@ class Session:
                 skip = gate.feed(new, tok.token_bytes)
                 if skip == k:
                     continue
-                grammar_tokens = list(new[skip:])
+                new = new[skip:]
             elif k == 1:
                 singles.append((req.grammar, new[0]))
                 single_idx.append(i)
                 continue
-            else:
-                grammar_tokens = list(new)
-            if not req.grammar.consume(grammar_tokens):
+            if not req.grammar.consume(new):
                 self._kill_by_grammar(req)
                 status[i] = ERROR
                 errors[i] = req.dead
@@ -328,10 +321,11 @@ class Session:
             req = state[i]
             if req is None:
                 continue
-            drafts = rows[i].draft_tokens
-            if not req.constrained:
-                if drafts:
-                    accepted[i] = self._reasoning_drafts(req, list(drafts[:max_drafts]), tok)
+            gate = req.gate
+            if gate is not None and not gate.done:
+                d = drafts_of.get(i)
+                if d:
+                    accepted[i] = self._reasoning_drafts(req, d, tok)
                 continue
             g = req.grammar
             if req.jump_forward:
@@ -345,8 +339,8 @@ class Session:
                         continue
                     req.position += len(forced)
                     ff[i] = forced
-            if drafts:
-                d = [t for t in drafts[:max_drafts]]
+            if i in drafts_of:
+                d = drafts_of[i]
                 cut = next((j for j, t in enumerate(d) if not 0 <= t < vocab), len(d))
                 a = g.validate_drafts(d[:cut]) if cut else 0
                 accepted[i] = a
@@ -381,35 +375,42 @@ class Session:
         # Phase 5: the answer.
         add = out.rows.add
         for i in range(n):
-            row = rows[i]
-            st = status[i]
             req = state[i]
             if req is not None:
+                if slots[i] < 0:  # unconstrained (reasoning): no mask row
+                    add(
+                        request_id=rids[i],
+                        status=OK,
+                        accepted_drafts=accepted[i],
+                        position=req.position,
+                    )
+                    continue
                 g = req.grammar
-                constrained = slots[i] >= 0
                 r = add(
-                    request_id=row.request_id,
+                    request_id=rids[i],
                     status=OK,
-                    mask_rows=1 + accepted[i] if constrained else 0,
+                    mask_rows=1 + accepted[i],
                     accepted_drafts=accepted[i],
                     position=req.position,
-                    accepting=constrained and g.is_accepting(),
-                    finished=constrained and g.is_stopped(),
+                    accepting=g.is_accepting(),
+                    finished=g.is_stopped(),
                 )
                 if i in ff:
                     r.ff_tokens.extend(ff[i])
-            elif st == DESYNC:
-                real = requests[row.request_id]
+                continue
+            st = status[i]
+            rid = rids[i]
+            if st == DESYNC:
                 add(
-                    request_id=row.request_id,
+                    request_id=rid,
                     status=DESYNC,
-                    position=real.position,
+                    position=requests[rid].position,
                     expected_position=expected[i],
                 )
             else:
-                real_req = requests.get(row.request_id)
+                real_req = requests.get(rid)
                 add(
-                    request_id=row.request_id,
+                    request_id=rid,
                     status=st,
                     position=real_req.position if real_req is not None else 0,
                     error=errors[i],
