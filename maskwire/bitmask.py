@@ -19,8 +19,9 @@ a control character, so ~40% of the words are not all ones), so most rows are fa
 
 A listed word costs 6 bytes against 4 for a dense one, so a row is listed only when fewer than
 2/3 of its words differ from the base. Both directions are a few vectorised numpy passes over
-the whole step (no Python loop over rows, words or tokens): encoding is two compares, a count and
-a gather; decoding a fill and one scatter.
+the whole step (no Python loop over rows, words or tokens): encoding picks each row's base from
+a sample of its words, then is one compare per base, a count and a gather (~4x faster than
+comparing every word with both bases); decoding is a fill and one scatter.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ SPARSE_ONES = 3
 
 MAX_SPARSE_WORDS = 65536
 """Rows wider than this are always dense (word indices are uint16)."""
+
+_SAMPLE_WORDS = 128
+"""Words per row the encoder samples to choose a row's base."""
 
 __all__ = [
     "DENSE",
@@ -94,26 +98,38 @@ def encode_rows(rows: np.ndarray, vocab_size: int) -> CompactRows:
     counts = np.zeros(n, dtype=np.int64)
     if n == 0 or words > MAX_SPARSE_WORDS:
         return CompactRows(enc, counts, rows.tobytes(), b"", b"")
+    # Pick each row's base from a sample of its words (the choice only affects the size, never
+    # the decoded row), then find the words that differ from it exactly, in one pass per base.
+    stride = max(1, words // _SAMPLE_WORDS)
+    sample = rows[:, ::stride]
+    ones = ones_row(vocab_size)
+    zero_share = np.count_nonzero(sample == 0, axis=1)
+    ones_share = np.count_nonzero(sample == ones[::stride], axis=1)
+    enough = sample.shape[1] // 3  # a row is worth listing when > 1/3 of its words match a base
+    base_zero = (zero_share >= ones_share) & (zero_share > enough)
+    base_ones = ~base_zero & (ones_share > enough)
     limit = (2 * words) // 3
-    off_zero = rows != 0
-    off_ones = rows != ones_row(vocab_size)
-    n_zero = np.count_nonzero(off_zero, axis=1)
-    n_ones = np.count_nonzero(off_ones, axis=1)
-    zeros = (n_zero <= n_ones) & (n_zero < limit)
-    ones = ~zeros & (n_ones < limit)
-    enc[zeros] = SPARSE_ZEROS
-    enc[ones] = SPARSE_ONES
-    counts[zeros] = n_zero[zeros]
-    counts[ones] = n_ones[ones]
-    is_dense = enc == DENSE
+    listed = np.zeros((n, words), dtype=bool)
+    if base_zero.any():
+        listed[base_zero] = rows[base_zero] != 0
+    if base_ones.any():
+        listed[base_ones] = rows[base_ones] != ones
+    flat = np.flatnonzero(listed)
+    # Per-row counts and in-row indices from row boundaries: no division over every listed word.
+    starts = np.arange(n + 1, dtype=np.int64) * words
+    per_row = np.diff(np.searchsorted(flat, starts))
+    sparse = (base_zero | base_ones) & (per_row < limit)
+    in_row = flat - np.repeat(starts[:-1], per_row)
+    if not sparse.all():  # rows whose sample misled us go dense after all
+        keep = np.repeat(sparse, per_row)
+        flat = flat[keep]
+        in_row = in_row[keep]
+    enc[sparse & base_zero] = SPARSE_ZEROS
+    enc[sparse & base_ones] = SPARSE_ONES
+    counts[sparse] = per_row[sparse]
+    is_dense = ~sparse
     dense = rows[is_dense].tobytes() if is_dense.any() else b""
-    if is_dense.all():
-        return CompactRows(enc, counts, dense, b"", b"")
-    # Listed words of every sparse row, rows in order, ascending within a row.
-    differs = np.where(ones[:, None], off_ones, off_zero)
-    differs[is_dense] = False
-    flat = np.flatnonzero(differs)
-    index = (flat % words).astype("<u2").tobytes()
+    index = in_row.astype("<u2").tobytes()
     values = rows.reshape(-1)[flat].tobytes()
     return CompactRows(enc, counts, dense, index, values)
 

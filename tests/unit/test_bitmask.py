@@ -113,6 +113,21 @@ def test_random_rows_and_reused_out_buffer() -> None:
         assert (out[17:] == 12345).all()
 
 
+def test_rows_that_mislead_the_sample_are_sent_dense() -> None:
+    vocab = 131072  # 4096 words: the encoder samples every 32nd word to pick a row's base
+    w = vocab // 32
+    looks_empty = np.full(w, -1, dtype=np.int32)
+    looks_empty[::32] = 0  # every sampled word is 0, every other one is all ones
+    looks_full = np.zeros(w, dtype=np.int32)
+    looks_full[::32] = -1
+    few = rows_with(vocab, [[5, 70000]])[0]
+    rows = np.stack([few, looks_empty, few, looks_full, few])
+    c = roundtrip(rows, vocab)
+    assert c.encodings.tolist() == [SPARSE_ZEROS, DENSE, SPARSE_ZEROS, DENSE, SPARSE_ZEROS]
+    assert c.counts.tolist() == [2, 0, 2, 0, 2]
+    assert len(c.index) + len(c.values) + len(c.dense) <= rows.nbytes
+
+
 def test_bits_past_the_vocab_are_kept() -> None:
     vocab = 40  # 2 words; the all-allowed row has bits 40..63 zero
     rows = np.array([[-1, -1], [-1, 0xFF]], dtype=np.int32)
