@@ -106,6 +106,7 @@ async def serve(
             step_timeout_s=args.grammar_timeout_s,
             open_timeout_s=args.grammar_open_timeout_s,
             tls=grammar_tls,
+            compact_masks=args.grammar_compact_masks,
         )
         client = grammar
         resolver = Resolver(

@@ -206,13 +206,17 @@ class GrammarClient:
         step_timeout_s: float = 5.0,
         open_timeout_s: float = 30.0,
         tls: ClientTLS | None = None,
+        compact_masks: bool = True,
     ) -> None:
+        """`compact_masks` lets replicas answer large steps with compact mask rows (their
+        `--compact-min-rows` decides which steps): fewer bytes on the wire, decoded here."""
         self.tls = tls  # TLS/mTLS to every replica (None: plaintext)
         self.replicas = [Replica(a, tls) for a in addresses]
         self.fingerprint = fingerprint
         self.words_per_row = words_per_row
         self.step_timeout_s = step_timeout_s
         self.open_timeout_s = open_timeout_s
+        self.compact_masks = compact_masks
         self._step_no = itertools.count(1)
         self.replays = 0  # requests re-opened after a replica failure (for metrics/tests)
 
@@ -388,7 +392,9 @@ class GrammarClient:
                 )
             )
         step_no = next(self._step_no)
-        msg = grammar_pb2.SessionRequest(step=grammar_pb2.Step(step=step_no, rows=rows))
+        msg = grammar_pb2.SessionRequest(
+            step=grammar_pb2.Step(step=step_no, rows=rows, compact_masks=self.compact_masks)
+        )
         try:
             fut = await replica.send(msg)
             resp = await asyncio.wait_for(fut, self.step_timeout_s)
