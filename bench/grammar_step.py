@@ -4,8 +4,9 @@ Tekken tokenizer (131,072 tokens, 16 KB mask rows), MaskBench JSON schemas, rows
 strings and between keys. Every step advances each row by one token of a valid instance and asks
 for its next mask. Measured in the same run:
 
-* `inprocess`: llguidance consume (`consume_token_par` for B >= 8) + `LLExecutor` mask fill into
-  a preallocated buffer: the floor any wrapper pays.
+* `inprocess`: the service's own llguidance calls (`LlgBackend`: batched consume, mask fill into
+  a preallocated buffer with the same executor threads and small-batch shortcuts) and nothing
+  else: the floor any wrapper pays.
 * `dense` / `compact`: a grpc.aio client in this process, the service in its own process: one
   Step round trip as a worker does it (build the Step, serialize, loopback transport, service
   Python, mask fill, answer, parse, `maskwire.bitmask.step_masks` into a reused buffer), with
@@ -22,7 +23,6 @@ Writes bench/results/grammar_step.json and .png. Usage: python bench/grammar_ste
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gzip
 import json
 import os
@@ -41,15 +41,18 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from grammar_service.backend import LlgBackend  # noqa: E402
+import grammar_service.session as session_module  # noqa: E402
+from grammar_service.backend import LlgBackend, LlgRequest  # noqa: E402
 from grammar_service.compile_cache import CompileCache  # noqa: E402
 from grammar_service.compiler import Compiler, ParserLimits  # noqa: E402
 from grammar_service.runtime import Limits, Runtime  # noqa: E402
 from grammar_service.session import Session  # noqa: E402
-from maskwire.bitmask import step_masks  # noqa: E402
+from maskwire import event_loop  # noqa: E402
+from maskwire.bitmask import encode_rows, step_masks  # noqa: E402
 from maskwire.rpc import channel_options  # noqa: E402
 from maskwire.tokenizer import Tokenizer, load_tokenizer, tekken_path  # noqa: E402
-from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc  # noqa: E402
+from maskwire.v1 import common_pb2, grammar_pb2  # noqa: E402
+from neuron_worker.grammar_client import Replica  # noqa: E402
 from tests.support.processes import ServiceProcess, free_port  # noqa: E402
 
 TESTDATA = ROOT.parent / "shared" / "testdata" / "maskbench"
@@ -136,30 +139,34 @@ def _inside_string(prefix: str) -> bool:
 def bench_inprocess(
     tok: Tokenizer, rows: list[dict[str, Any]], iters: int, warmup: int
 ) -> dict[str, Any]:
+    """The service's own llguidance calls (`LlgBackend`: same executor, same small-batch
+    shortcuts), with no protocol and no gRPC around them."""
     w = tok.words_per_row
-    ex = llguidance.LLExecutor()
+    backend = LlgBackend()
     buf = np.zeros((len(rows), w), dtype=np.int32)
-    matchers = []
-    for r in rows:
-        m = llguidance.LLMatcher(tok.ll, r["grammar"], log_level=0)
-        assert m.consume_tokens(r["tokens"][: r["start"]])
-        matchers.append(m)
+    templates = {
+        g: llguidance.LLMatcher(tok.ll, g, log_level=0) for g in {r["grammar"] for r in rows}
+    }
+
+    def fresh(r: dict[str, Any]) -> LlgRequest:
+        # What the service's Open with replay_tokens does: copy the compiled template, replay.
+        g = LlgRequest(templates[r["grammar"]].deep_copy())
+        assert g.consume(r["tokens"][: r["start"]])
+        return g
+
+    grammars = [fresh(r) for r in rows]
     pos = [r["start"] for r in rows]
     times, fill_times = [], []
     for it in range(warmup + iters):
         for k, r in enumerate(rows):  # wrap (untimed): back to the start state
             if pos[k] >= len(r["tokens"]):
-                matchers[k].rollback(pos[k] - r["start"])
+                grammars[k] = fresh(r)
                 pos[k] = r["start"]
         t0 = time.perf_counter()
-        pairs = [(matchers[k], rows[k]["tokens"][pos[k]]) for k in range(len(rows))]
-        if len(pairs) >= LlgBackend.PAR_CONSUME_MIN:
-            oks = ex.consume_token_par(pairs)
-        else:
-            oks = [m.consume_token(t) for m, t in pairs]
+        oks = backend.consume_each([(g, rows[k]["tokens"][pos[k]]) for k, g in enumerate(grammars)])
         t1 = time.perf_counter()
-        ex.unsafe_compute_mask_ptr(
-            [(m, k) for k, m in enumerate(matchers)], buf.ctypes.data, w * 4, len(rows)
+        backend.fill(
+            [(g, k) for k, g in enumerate(grammars)], [], buf.ctypes.data, w * 4, len(rows)
         )
         t2 = time.perf_counter()
         assert all(oks)
@@ -168,20 +175,56 @@ def bench_inprocess(
         if it >= warmup:
             times.append(t2 - t0)
             fill_times.append(t2 - t1)
-    return {"step": stats(times), "fill": stats(fill_times)}
+    return {"step": stats(times), "fill": stats(fill_times), "mask_threads": backend.threads}
 
 
 # -- Session.step without gRPC -------------------------------------------------------------------
 
 
+class TimedBackend(LlgBackend):
+    """`LlgBackend` that adds up the time its llguidance calls take."""
+
+    spent = 0.0
+
+    def consume_each(self, pairs: Any) -> list[bool]:
+        t = time.perf_counter()
+        try:
+            return super().consume_each(pairs)
+        finally:
+            self.spent += time.perf_counter() - t
+
+    def fill(self, *args: Any) -> None:
+        t = time.perf_counter()
+        try:
+            super().fill(*args)
+        finally:
+            self.spent += time.perf_counter() - t
+
+
+class TimedEncode:
+    """Stands in for `session.encode_rows` and adds up its time."""
+
+    spent = 0.0
+
+    def __call__(self, rows: np.ndarray, vocab: int) -> Any:
+        t = time.perf_counter()
+        try:
+            return encode_rows(rows, vocab)
+        finally:
+            self.spent += time.perf_counter() - t
+
+
 async def bench_session_pure(
     tok: Tokenizer, rows: list[dict[str, Any]], iters: int, warmup: int, compact: bool = False
 ) -> dict[str, Any]:
+    backend = TimedBackend()
+    encode = TimedEncode()
+    session_module.encode_rows = encode  # type: ignore[attr-defined]
     rt = Runtime(
         tokenizers=[tok],
         compiler=Compiler(limits=ParserLimits()),
         cache=CompileCache(64),
-        backend=LlgBackend(),
+        backend=backend,
         limits=Limits(),
     )
     s = Session(rt)
@@ -190,7 +233,7 @@ async def bench_session_pure(
         opened = await s.open(open_msg(k, r, fp))
         assert not opened.HasField("error"), opened.error
     pos = [r["start"] for r in rows]
-    times, ser, parse, dec = [], [], [], []
+    times, ser, parse, dec, llg, enc = [], [], [], [], [], []
     decoded = np.empty((len(rows), tok.words_per_row), dtype=np.int32)
     for it in range(warmup + iters):
         for k, r in enumerate(rows):
@@ -199,6 +242,7 @@ async def bench_session_pure(
                 await s.open(open_msg(k, r, fp))
                 pos[k] = r["start"]
         msg = step_msg(it, rows, pos, compact)
+        backend.spent = encode.spent = 0.0
         t0 = time.perf_counter()
         res = s.step(msg)
         t1 = time.perf_counter()
@@ -217,11 +261,18 @@ async def bench_session_pure(
             pos[k] += 1
         if it >= warmup:
             times.append(t1 - t0)
+            llg.append(backend.spent)
+            enc.append(encode.spent)
             ser.append(t3 - t2)
             parse.append(t4 - t3)
             dec.append(t5 - t4)
+    session_module.encode_rows = encode_rows  # type: ignore[attr-defined]
+    python = [t - a - b for t, a, b in zip(times, llg, enc, strict=True)]
     return {
         "session_step": stats(times),
+        "llguidance": stats(llg),
+        "compact_encode": stats(enc),
+        "service_python": stats(python),
         "client_decode": stats(dec),
         "serialize_answer": stats(ser),
         "parse_both": stats(parse),
@@ -267,14 +318,15 @@ async def bench_service(
     warmup: int,
     compact: bool = False,
 ) -> dict[str, Any]:
-    """The worker's path: build the Step, one round trip, mask rows into a reused buffer."""
+    """The worker's path: build the Step, one round trip through the worker's own stream client
+    (`neuron_worker.grammar_client.Replica`: a reader task always waiting for the next answer),
+    mask rows into a reused buffer."""
     fp = tok.fingerprint.to_proto()
-    async with grpc.aio.insecure_channel(address, options=channel_options()) as ch:
-        call = grammar_pb2_grpc.GrammarServiceStub(ch).Session()
+    replica = Replica(address)
+    try:
 
         async def send(m: grammar_pb2.SessionRequest) -> grammar_pb2.SessionResponse:
-            await call.write(m)
-            return await call.read()  # type: ignore[no-any-return]
+            return await (await replica.send(m))
 
         for k, r in enumerate(rows):
             resp = await send(grammar_pb2.SessionRequest(open=open_msg(k, r, fp)))
@@ -302,7 +354,8 @@ async def bench_service(
                 pos[k] += 1
             if it >= warmup:
                 times.append(t1 - t0)
-        await call.done_writing()
+    finally:
+        await replica.aclose()
     return {"step": stats(times), "max_answer_bytes": answer_bytes}
 
 
@@ -378,8 +431,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax1.set_ylabel("µs per step (bar p50, tick p99; log)")
     ax1.set_title("One grammar step, Tekken 131k vocab")
     ax1.legend(fontsize=8)
-    parts = ["fill", "service_python", "serialization", "client_decode", "transport"]
-    colors = ["C0", "C1", "C2", "C4", "C3"]
+    parts = [
+        "llguidance",
+        "service_python",
+        "compact_encode",
+        "serialization",
+        "client_decode",
+        "transport",
+    ]
+    colors = ["C0", "C1", "C5", "C2", "C4", "C3"]
     for k, mode in enumerate(MODES):
         bottom = np.zeros(len(bs))
         for part, color in zip(parts, colors, strict=True):
@@ -404,7 +464,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     tok = load_tokenizer(str(tekken_path()))
-    svc = ServiceProcess("grammar-service", ["--tokenizer", str(tekken_path())], free_port())
+    svc = ServiceProcess(
+        "grammar-service",
+        ["--tokenizer", str(tekken_path()), *args.service_args.split()],
+        free_port(),
+    )
     echo_port = free_port()
     echo = subprocess.Popen(
         [sys.executable, __file__, "--echo-server", str(echo_port)],
@@ -414,7 +478,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         assert echo.stdout is not None and echo.stdout.readline().strip() == "ready"
         svc.wait_ready()
-        all_rows = workload(tok, max(BATCHES), min_left=8)
+        all_rows = workload(tok, max(args.batches), min_left=8)
         out: dict[str, Any] = {
             "tokenizer": "tekken_240911 (V=131072)",
             "iters": args.iters,
@@ -422,7 +486,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "llguidance": llguidance.get_version() if hasattr(llguidance, "get_version") else "",
             "batches": [],
         }
-        for b in BATCHES:
+        for b in args.batches:
             rows = all_rows[:b]
             inproc = bench_inprocess(tok, rows, args.iters, args.warmup)
             rec: dict[str, Any] = {"B": b, "inprocess": inproc}
@@ -438,8 +502,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 echo_res = await bench_echo(
                     f"127.0.0.1:{echo_port}", pure["answer_bytes"], args.iters, args.warmup
                 )
-                fill = inproc["fill"]["p50_us"]
-                py = max(0.0, pure["session_step"]["p50_us"] - fill)
+                llg = pure["llguidance"]["p50_us"]
+                enc = pure["compact_encode"]["p50_us"]
+                py = pure["service_python"]["p50_us"]
                 ser = pure["serialize_answer"]["p50_us"] + pure["parse_both"]["p50_us"]
                 decode = pure["client_decode"]["p50_us"]
                 transport = max(
@@ -452,8 +517,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "overhead_p50_us": service["step"]["p50_us"] - inproc["step"]["p50_us"],
                     "ratio_p50": service["step"]["p50_us"] / inproc["step"]["p50_us"],
                     "breakdown_p50_us": {
-                        "fill": fill,
+                        "llguidance": llg,
                         "service_python": py,
+                        "compact_encode": enc,
                         "serialization": ser,
                         "client_decode": decode,
                         "transport": transport,
@@ -463,7 +529,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     f" | {mode} {service['step']['p50_us']:6.0f}/{service['step']['p99_us']:6.0f}"
                     f" x{rec[mode]['ratio_p50']:.2f} {pure['answer_bytes']}B"
                     f" echo {echo_res['step']['p50_us']:5.0f}"
-                    f" [py {py:.0f} ser {ser:.0f} dec {decode:.0f} tr {transport:.0f}]"
+                    f" [llg {llg:.0f} py {py:.0f} enc {enc:.0f} ser {ser:.0f} dec {decode:.0f}"
+                    f" tr {transport:.0f}]"
                 )
             out["batches"].append(rec)
             print(line, flush=True)
@@ -478,13 +545,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="rows per step")
+    p.add_argument(
+        "--service-args", default="", help="extra grammar-service flags, e.g. '--mask-threads 1'"
+    )
     p.add_argument("--echo-server", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "grammar_step.json")
     args = p.parse_args()
     if args.echo_server:
-        asyncio.run(echo_server(args.echo_server))
+        event_loop.run(echo_server(args.echo_server))
         return
-    results = asyncio.run(run(args))
+    results = event_loop.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     plot(results, args.out.with_suffix(".png"))
