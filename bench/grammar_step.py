@@ -14,8 +14,14 @@ for its next mask. Measured in the same run:
   so B < 16 is answered dense there too).
 * `echo`: a bare grpc.aio bidi echo of a message of the same size between the same two kinds of
   process (the transport floor).
-* breakdown: `Session.step` in-process (service Python + fill + compact encoding, no gRPC),
-  fill alone, serialization + parsing of the request and answer, the client's decode.
+* breakdown: `Session.step` run in this process with warm caches (llguidance calls, the service's
+  Python, compact encoding, each timed), the same step's mean time inside the service process
+  (from its `maskwire_grammar_step_seconds` metric; the difference is what running between
+  network messages, with cold caches, adds), serialization + parsing of the request and answer,
+  the client's decode, and the rest: gRPC transport and framework.
+
+Each measurement runs in `--rounds` interleaved slices, so a slow spell of the machine hits
+all of them alike.
 
 Writes bench/results/grammar_step.json and .png. Usage: python bench/grammar_step.py [--iters N]
 """
@@ -35,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import llguidance
 import numpy as np
 
@@ -175,7 +182,7 @@ def bench_inprocess(
         if it >= warmup:
             times.append(t2 - t0)
             fill_times.append(t2 - t1)
-    return {"step": stats(times), "fill": stats(fill_times), "mask_threads": backend.threads}
+    return {"step": times, "fill": fill_times, "mask_threads": backend.threads}
 
 
 # -- Session.step without gRPC -------------------------------------------------------------------
@@ -269,13 +276,13 @@ async def bench_session_pure(
     session_module.encode_rows = encode_rows  # type: ignore[attr-defined]
     python = [t - a - b for t, a, b in zip(times, llg, enc, strict=True)]
     return {
-        "session_step": stats(times),
-        "llguidance": stats(llg),
-        "compact_encode": stats(enc),
-        "service_python": stats(python),
-        "client_decode": stats(dec),
-        "serialize_answer": stats(ser),
-        "parse_both": stats(parse),
+        "session_step": times,
+        "llguidance": llg,
+        "compact_encode": enc,
+        "service_python": python,
+        "client_decode": dec,
+        "serialize_answer": ser,
+        "parse_both": parse,
         "answer_bytes": len(wire),
         "request_bytes": len(wire_req),
     }
@@ -356,7 +363,7 @@ async def bench_service(
                 times.append(t1 - t0)
     finally:
         await replica.aclose()
-    return {"step": stats(times), "max_answer_bytes": answer_bytes}
+    return {"step": times, "max_answer_bytes": answer_bytes}
 
 
 async def bench_echo(address: str, size: int, iters: int, warmup: int) -> dict[str, Any]:
@@ -373,7 +380,7 @@ async def bench_echo(address: str, size: int, iters: int, warmup: int) -> dict[s
             if it >= warmup:
                 times.append(t1 - t0)
         await call.done_writing()
-    return {"step": stats(times), "bytes": size}
+    return {"step": times, "bytes": size}
 
 
 async def echo_server(port: int) -> None:
@@ -393,6 +400,31 @@ async def echo_server(port: int) -> None:
 
 
 # -- reporting -----------------------------------------------------------------------------------
+
+
+async def step_seconds(url: str) -> tuple[float, float]:
+    """The service's own `maskwire_grammar_step_seconds` (sum, count), from its /metrics."""
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(url)).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(
+            ("maskwire_grammar_step_seconds_sum", "maskwire_grammar_step_seconds_count")
+        ):
+            name, value = line.split()
+            values[name.rsplit("_", 1)[1]] = float(value)
+    return values["sum"], values["count"]
+
+
+def summarize(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Concatenate the rounds' samples and turn each list into stats; other values: the max."""
+    out: dict[str, Any] = {}
+    for key, value in parts[0].items():
+        if isinstance(value, list):
+            out[key] = stats([x for p in parts for x in p[key]])
+        else:
+            out[key] = max(p[key] for p in parts)
+    return out
 
 
 def stats(xs: list[float]) -> dict[str, float]:
@@ -435,11 +467,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
         "llguidance",
         "service_python",
         "compact_encode",
+        "in_service_slowdown",
         "serialization",
         "client_decode",
         "transport",
     ]
-    colors = ["C0", "C1", "C5", "C2", "C4", "C3"]
+    colors = ["C0", "C1", "C5", "C6", "C2", "C4", "C3"]
     for k, mode in enumerate(MODES):
         bottom = np.zeros(len(bs))
         for part, color in zip(parts, colors, strict=True):
@@ -464,12 +497,21 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     tok = load_tokenizer(str(tekken_path()))
+    metrics_port = free_port()
+    svc_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     svc = ServiceProcess(
         "grammar-service",
-        ["--tokenizer", str(tekken_path()), *args.service_args.split()],
+        [
+            "--tokenizer",
+            str(tekken_path()),
+            "--metrics-port",
+            str(metrics_port),
+            *args.service_args.split(),
+        ],
         free_port(),
     )
     echo_port = free_port()
+    echo_address = f"127.0.0.1:{echo_port}"
     echo = subprocess.Popen(
         [sys.executable, __file__, "--echo-server", str(echo_port)],
         stdout=subprocess.PIPE,
@@ -482,44 +524,66 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         out: dict[str, Any] = {
             "tokenizer": "tekken_240911 (V=131072)",
             "iters": args.iters,
+            "rounds": args.rounds,
             "machine": f"{platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}",
             "llguidance": llguidance.get_version() if hasattr(llguidance, "get_version") else "",
             "batches": [],
         }
         for b in args.batches:
             rows = all_rows[:b]
-            inproc = bench_inprocess(tok, rows, args.iters, args.warmup)
+            # Every measurement runs in `rounds` interleaved slices, so that a slow spell of this
+            # shared machine lands on all of them alike instead of on one.
+            parts: dict[str, list[dict[str, Any]]] = {}
+            n = max(1, args.iters // args.rounds)
+            for _ in range(args.rounds):
+                parts.setdefault("inprocess", []).append(bench_inprocess(tok, rows, n, args.warmup))
+                for mode in MODES:
+                    compact = mode == "compact"
+                    pure = await bench_session_pure(tok, rows, n, args.warmup, compact)
+                    parts.setdefault(f"{mode}/pure", []).append(pure)
+                    before = await step_seconds(svc_metrics)
+                    parts.setdefault(f"{mode}/service", []).append(
+                        await bench_service(svc.address, tok, rows, n, args.warmup, compact)
+                    )
+                    after = await step_seconds(svc_metrics)
+                    parts.setdefault(f"{mode}/in_service", []).append(
+                        {"step_mean": [(after[0] - before[0]) / max(1, after[1] - before[1])]}
+                    )
+                    parts.setdefault(f"{mode}/echo", []).append(
+                        await bench_echo(echo_address, pure["answer_bytes"], n, args.warmup)
+                    )
+            merged = {k: summarize(v) for k, v in parts.items()}
+            inproc = merged["inprocess"]
             rec: dict[str, Any] = {"B": b, "inprocess": inproc}
             line = (
                 f"B={b:3d} inproc {inproc['step']['p50_us']:6.0f}/{inproc['step']['p99_us']:6.0f}"
             )
             for mode in MODES:
-                compact = mode == "compact"
-                pure = await bench_session_pure(tok, rows, args.iters, args.warmup, compact)
-                service = await bench_service(
-                    svc.address, tok, rows, args.iters, args.warmup, compact
-                )
-                echo_res = await bench_echo(
-                    f"127.0.0.1:{echo_port}", pure["answer_bytes"], args.iters, args.warmup
-                )
+                pure = merged[f"{mode}/pure"]
+                service = merged[f"{mode}/service"]
+                echo_res = merged[f"{mode}/echo"]
+                in_service = merged[f"{mode}/in_service"]["step_mean"]["mean_us"]
                 llg = pure["llguidance"]["p50_us"]
                 enc = pure["compact_encode"]["p50_us"]
                 py = pure["service_python"]["p50_us"]
+                cold = max(0.0, in_service - pure["session_step"]["mean_us"])
                 ser = pure["serialize_answer"]["p50_us"] + pure["parse_both"]["p50_us"]
                 decode = pure["client_decode"]["p50_us"]
                 transport = max(
-                    0.0, service["step"]["p50_us"] - pure["session_step"]["p50_us"] - ser - decode
+                    0.0, service["step"]["p50_us"] - llg - py - enc - cold - ser - decode
                 )
                 rec[mode] = {
                     "session_pure": pure,
                     "service": service,
                     "echo": echo_res,
+                    "in_service_step_mean_us": in_service,
                     "overhead_p50_us": service["step"]["p50_us"] - inproc["step"]["p50_us"],
                     "ratio_p50": service["step"]["p50_us"] / inproc["step"]["p50_us"],
                     "breakdown_p50_us": {
                         "llguidance": llg,
                         "service_python": py,
                         "compact_encode": enc,
+                        "in_service_slowdown": cold,
                         "serialization": ser,
                         "client_decode": decode,
                         "transport": transport,
@@ -529,8 +593,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     f" | {mode} {service['step']['p50_us']:6.0f}/{service['step']['p99_us']:6.0f}"
                     f" x{rec[mode]['ratio_p50']:.2f} {pure['answer_bytes']}B"
                     f" echo {echo_res['step']['p50_us']:5.0f}"
-                    f" [llg {llg:.0f} py {py:.0f} enc {enc:.0f} ser {ser:.0f} dec {decode:.0f}"
-                    f" tr {transport:.0f}]"
+                    f" [llg {llg:.0f} py {py:.0f} enc {enc:.0f} cold {cold:.0f} ser {ser:.0f}"
+                    f" dec {decode:.0f} tr {transport:.0f}]"
                 )
             out["batches"].append(rec)
             print(line, flush=True)
@@ -545,6 +609,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved slices of each measurement")
     p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="rows per step")
     p.add_argument(
         "--service-args", default="", help="extra grammar-service flags, e.g. '--mask-threads 1'"

@@ -21,6 +21,7 @@ class MaskBuffer:
         self.words_per_row = words_per_row
         self.one_mask_bytes = words_per_row * 4
         self._array = np.zeros((max(1, capacity), words_per_row), dtype=np.int32)
+        self.ptr = int(self._array.ctypes.data)  # cached: `.ctypes.data` costs µs per call
 
     @property
     def capacity(self) -> int:
@@ -32,10 +33,7 @@ class MaskBuffer:
             while cap < n_rows:
                 cap *= 2
             self._array = np.zeros((cap, self.words_per_row), dtype=np.int32)
-
-    @property
-    def ptr(self) -> int:
-        return int(self._array.ctypes.data)
+            self.ptr = int(self._array.ctypes.data)
 
     def rows(self, n_rows: int) -> np.ndarray:
         return self._array[:n_rows]
