@@ -367,6 +367,7 @@ class Session:
                 out.mask_row_word_counts.extend(c.counts.tolist())
                 out.mask_word_index = c.index
                 out.mask_word_values = c.values
+                out.mask_row_repeat_of.extend(c.repeat_of.tolist())
             else:
                 out.bitmask = buf.tobytes(cursor)
         out.words_per_row = buf.words_per_row

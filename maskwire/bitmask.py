@@ -27,6 +27,7 @@ comparing every word with both bases); decoding is a fill and one scatter.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,7 @@ assert sys.byteorder == "little", "mask words are the host's int32 words: little
 DENSE = 1
 SPARSE_ZEROS = 2
 SPARSE_ONES = 3
+REPEAT = 4
 """Row encodings; equal to `maskwire.v1.grammar_pb2.MASK_ROW_ENCODING_*`."""
 
 MAX_SPARSE_WORDS = 65536
@@ -56,6 +58,7 @@ _SAMPLE_WORDS = 128
 
 __all__ = [
     "DENSE",
+    "REPEAT",
     "SPARSE_ONES",
     "SPARSE_ZEROS",
     "CompactRows",
@@ -75,6 +78,7 @@ class CompactRows:
     dense: bytes
     index: bytes
     values: bytes
+    repeat_of: np.ndarray  # int64 [number of REPEAT rows]: the earlier row each one repeats
 
 
 def ones_row(vocab_size: int) -> np.ndarray:
@@ -88,16 +92,56 @@ def ones_row(vocab_size: int) -> np.ndarray:
 
 
 def encode_rows(rows: np.ndarray, vocab_size: int) -> CompactRows:
-    """Encode int32 ``[n, W]`` rows, each as the cheapest of dense / sparse-zeros / sparse-ones."""
+    """Encode int32 ``[n, W]`` rows: a row equal to an earlier one as a REPEAT of it, every other
+    row as the cheapest of dense / sparse-zeros / sparse-ones."""
     n, words = rows.shape
     if words != words_per_row(vocab_size):
         raise ValueError(
             f"rows have {words} words; vocab {vocab_size} needs {words_per_row(vocab_size)}"
         )
+    no_repeats = np.zeros(0, dtype=np.int64)
+    if n == 0 or words > MAX_SPARSE_WORDS:
+        enc, counts = np.full(n, DENSE, dtype=np.int32), np.zeros(n, dtype=np.int64)
+        return CompactRows(enc, counts, rows.tobytes(), b"", b"", no_repeats)
+    source = _first_equal_rows(rows)
+    repeats = source != np.arange(n)
+    if not repeats.any():
+        enc, counts, dense, index, values = _encode_distinct(rows, vocab_size)
+        return CompactRows(enc, counts, dense, index, values, no_repeats)
+    distinct = ~repeats
+    sub_enc, sub_counts, dense, index, values = _encode_distinct(rows[distinct], vocab_size)
+    enc = np.full(n, REPEAT, dtype=np.int32)
+    counts = np.zeros(n, dtype=np.int64)
+    enc[distinct] = sub_enc
+    counts[distinct] = sub_counts
+    return CompactRows(enc, counts, dense, index, values, source[repeats].astype(np.int64))
+
+
+def _first_equal_rows(rows: np.ndarray) -> np.ndarray:
+    """For each row, the index of the first row equal to it (itself when none comes earlier).
+
+    Rows are bucketed by a 64-bit sum of their words; a candidate is confirmed word for word, so a
+    sum collision only costs a compare.
+    """
+    n, words = rows.shape
+    # A wrapping 64-bit sum; word pairs as uint64 when the row width allows (4x faster).
+    keys = rows.view(np.uint64).sum(axis=1) if words % 2 == 0 else rows.sum(axis=1, dtype=np.int64)
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    source = first[inverse.reshape(-1)]
+    candidates = np.flatnonzero(source != np.arange(n))
+    if len(candidates):
+        same = (rows[candidates] == rows[source[candidates]]).all(axis=1)
+        source[candidates[~same]] = candidates[~same]
+    return source
+
+
+def _encode_distinct(
+    rows: np.ndarray, vocab_size: int
+) -> tuple[np.ndarray, np.ndarray, bytes, bytes, bytes]:
+    """Each row as the cheapest of dense / sparse-zeros / sparse-ones."""
+    n, words = rows.shape
     enc = np.full(n, DENSE, dtype=np.int32)
     counts = np.zeros(n, dtype=np.int64)
-    if n == 0 or words > MAX_SPARSE_WORDS:
-        return CompactRows(enc, counts, rows.tobytes(), b"", b"")
     # Pick each row's base from a sample of its words (the choice only affects the size, never
     # the decoded row), then find the words that differ from it exactly, in one pass per base.
     stride = max(1, words // _SAMPLE_WORDS)
@@ -131,7 +175,7 @@ def encode_rows(rows: np.ndarray, vocab_size: int) -> CompactRows:
     dense = rows[is_dense].tobytes() if is_dense.any() else b""
     index = in_row.astype("<u2").tobytes()
     values = rows.reshape(-1)[flat].tobytes()
-    return CompactRows(enc, counts, dense, index, values)
+    return enc, counts, dense, index, values
 
 
 def decode_rows(
@@ -142,6 +186,7 @@ def decode_rows(
     values: bytes,
     vocab_size: int,
     out: np.ndarray | None = None,
+    repeat_of: np.ndarray | Sequence[int] = (),
 ) -> np.ndarray:
     """Decode compact rows into int32 ``[n, W]``: into ``out[:n]`` (reused, must be C-contiguous
     int32 with ``W`` columns and at least ``n`` rows; rows past ``n`` are left alone) or a new
@@ -166,10 +211,19 @@ def decode_rows(
     if n == 0:
         return view
     is_dense = enc == DENSE
-    if not (is_dense | (enc == SPARSE_ZEROS) | (enc == SPARSE_ONES)).all():
+    is_repeat = enc == REPEAT
+    if not (is_dense | is_repeat | (enc == SPARSE_ZEROS) | (enc == SPARSE_ONES)).all():
         raise ValueError(f"unknown mask row encoding in {sorted(set(enc.tolist()))}")
-    if (cnt[is_dense] != 0).any() or (cnt < 0).any() or (cnt > words).any():
-        raise ValueError(f"word counts must be 0 for dense rows and in [0, {words}]")
+    if (cnt[is_dense | is_repeat] != 0).any() or (cnt < 0).any() or (cnt > words).any():
+        raise ValueError(f"word counts must be 0 for dense and repeat rows and in [0, {words}]")
+    sources = np.asarray(repeat_of, dtype=np.int64)
+    repeat_rows = np.flatnonzero(is_repeat)
+    if len(sources) != len(repeat_rows):
+        raise ValueError(f"{len(repeat_rows)} repeat rows but {len(sources)} repeat_of entries")
+    if len(sources) and (
+        (sources < 0).any() or (sources >= repeat_rows).any() or is_repeat[sources].any()
+    ):
+        raise ValueError("a repeat row must name an earlier row that is not itself a repeat")
     n_dense = int(np.count_nonzero(is_dense))
     if len(dense) != n_dense * words * 4:
         raise ValueError(f"{len(dense)} dense bytes for {n_dense} rows of {words} words")
@@ -189,6 +243,8 @@ def decode_rows(
             raise ValueError(f"word index {int(idx.max())} is out of range [0, {words})")
         idx += np.repeat(np.arange(n, dtype=np.int64) * words, cnt)
         view.reshape(-1)[idx] = np.frombuffer(values, dtype="<i4")
+    if len(repeat_rows):  # sources are never repeats, so they are final by now
+        view[repeat_rows] = view[sources]
     return view
 
 
@@ -226,4 +282,5 @@ def step_masks(result: grammar_pb2.StepResult, out: np.ndarray | None = None) ->
         result.mask_word_values,
         vocab,
         out,
+        result.mask_row_repeat_of,
     )

@@ -15,6 +15,7 @@ class MaskRowEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MASK_ROW_ENCODING_DENSE: _ClassVar[MaskRowEncoding]
     MASK_ROW_ENCODING_SPARSE_ZEROS: _ClassVar[MaskRowEncoding]
     MASK_ROW_ENCODING_SPARSE_ONES: _ClassVar[MaskRowEncoding]
+    MASK_ROW_ENCODING_REPEAT: _ClassVar[MaskRowEncoding]
 
 class RowStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -27,6 +28,7 @@ MASK_ROW_ENCODING_UNSPECIFIED: MaskRowEncoding
 MASK_ROW_ENCODING_DENSE: MaskRowEncoding
 MASK_ROW_ENCODING_SPARSE_ZEROS: MaskRowEncoding
 MASK_ROW_ENCODING_SPARSE_ONES: MaskRowEncoding
+MASK_ROW_ENCODING_REPEAT: MaskRowEncoding
 ROW_STATUS_UNSPECIFIED: RowStatus
 ROW_STATUS_OK: RowStatus
 ROW_STATUS_DESYNC: RowStatus
@@ -132,7 +134,7 @@ class StepRow(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "rows", "bitmask", "words_per_row", "mask_row_encodings", "mask_row_word_counts", "mask_word_index", "mask_word_values", "vocab_size")
+    __slots__ = ("step", "rows", "bitmask", "words_per_row", "mask_row_encodings", "mask_row_word_counts", "mask_word_index", "mask_word_values", "mask_row_repeat_of", "vocab_size")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BITMASK_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +143,7 @@ class StepResult(_message.Message):
     MASK_ROW_WORD_COUNTS_FIELD_NUMBER: _ClassVar[int]
     MASK_WORD_INDEX_FIELD_NUMBER: _ClassVar[int]
     MASK_WORD_VALUES_FIELD_NUMBER: _ClassVar[int]
+    MASK_ROW_REPEAT_OF_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     step: int
     rows: _containers.RepeatedCompositeFieldContainer[RowResult]
@@ -150,8 +153,9 @@ class StepResult(_message.Message):
     mask_row_word_counts: _containers.RepeatedScalarFieldContainer[int]
     mask_word_index: bytes
     mask_word_values: bytes
+    mask_row_repeat_of: _containers.RepeatedScalarFieldContainer[int]
     vocab_size: int
-    def __init__(self, step: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowResult, _Mapping]]] = ..., bitmask: _Optional[bytes] = ..., words_per_row: _Optional[int] = ..., mask_row_encodings: _Optional[_Iterable[_Union[MaskRowEncoding, str]]] = ..., mask_row_word_counts: _Optional[_Iterable[int]] = ..., mask_word_index: _Optional[bytes] = ..., mask_word_values: _Optional[bytes] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowResult, _Mapping]]] = ..., bitmask: _Optional[bytes] = ..., words_per_row: _Optional[int] = ..., mask_row_encodings: _Optional[_Iterable[_Union[MaskRowEncoding, str]]] = ..., mask_row_word_counts: _Optional[_Iterable[int]] = ..., mask_word_index: _Optional[bytes] = ..., mask_word_values: _Optional[bytes] = ..., mask_row_repeat_of: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class RowResult(_message.Message):
     __slots__ = ("request_id", "status", "mask_rows", "accepted_drafts", "ff_tokens", "accepting", "finished", "position", "expected_position", "error")

@@ -10,6 +10,7 @@ import pytest
 
 from maskwire.bitmask import (
     DENSE,
+    REPEAT,
     SPARSE_ONES,
     SPARSE_ZEROS,
     CompactRows,
@@ -26,7 +27,9 @@ COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator"
 
 def roundtrip(rows: np.ndarray, vocab: int) -> CompactRows:
     c = encode_rows(rows, vocab)
-    got = decode_rows(c.encodings, c.counts, c.dense, c.index, c.values, vocab)
+    got = decode_rows(
+        c.encodings, c.counts, c.dense, c.index, c.values, vocab, repeat_of=c.repeat_of
+    )
     assert got.dtype == np.int32 and np.array_equal(got, rows)
     return c
 
@@ -41,6 +44,7 @@ def rows_with(vocab: int, allowed_sets: list[list[int]]) -> np.ndarray:
 
 
 def test_encodings_match_the_proto_enum() -> None:
+    assert grammar_pb2.MASK_ROW_ENCODING_REPEAT == REPEAT
     assert grammar_pb2.MASK_ROW_ENCODING_DENSE == DENSE
     assert grammar_pb2.MASK_ROW_ENCODING_SPARSE_ZEROS == SPARSE_ZEROS
     assert grammar_pb2.MASK_ROW_ENCODING_SPARSE_ONES == SPARSE_ONES
@@ -90,6 +94,7 @@ def test_step_masks_reads_dense_and_compact_answers() -> None:
         mask_row_word_counts=c.counts.tolist(),
         mask_word_index=c.index,
         mask_word_values=c.values,
+        mask_row_repeat_of=c.repeat_of.tolist(),
     )
     assert compact.ByteSize() < rows.nbytes / 2
     buf = np.zeros((8, rows.shape[1]), dtype=np.int32)
@@ -108,7 +113,9 @@ def test_random_rows_and_reused_out_buffer() -> None:
         rows = rows_with(vocab, [list(np.flatnonzero(b)) for b in bits])
         c = roundtrip(rows, vocab)
         out = np.full((32, rows.shape[1]), 12345, dtype=np.int32)
-        got = decode_rows(c.encodings, c.counts, c.dense, c.index, c.values, vocab, out=out)
+        got = decode_rows(
+            c.encodings, c.counts, c.dense, c.index, c.values, vocab, out=out, repeat_of=c.repeat_of
+        )
         assert np.shares_memory(got, out) and np.array_equal(out[:17], rows)
         assert (out[17:] == 12345).all()
 
@@ -120,12 +127,29 @@ def test_rows_that_mislead_the_sample_are_sent_dense() -> None:
     looks_empty[::32] = 0  # every sampled word is 0, every other one is all ones
     looks_full = np.zeros(w, dtype=np.int32)
     looks_full[::32] = -1
-    few = rows_with(vocab, [[5, 70000]])[0]
-    rows = np.stack([few, looks_empty, few, looks_full, few])
+    few = rows_with(vocab, [[5, 70000], [6, 70001], [7, 99]])
+    rows = np.stack([few[0], looks_empty, few[1], looks_full, few[2]])
     c = roundtrip(rows, vocab)
     assert c.encodings.tolist() == [SPARSE_ZEROS, DENSE, SPARSE_ZEROS, DENSE, SPARSE_ZEROS]
     assert c.counts.tolist() == [2, 0, 2, 0, 2]
     assert len(c.index) + len(c.values) + len(c.dense) <= rows.nbytes
+
+
+def test_equal_rows_are_sent_once() -> None:
+    vocab = 4096
+    a, b = rows_with(vocab, [[1, 2, 3], list(range(100, 4000))])
+    c = a.copy()
+    c[0:2], c[2:4] = a[2:4], a[0:2]  # word pairs swapped: equal sums of words and of pairs
+    assert c.view(np.uint64).sum() == a.view(np.uint64).sum() and not np.array_equal(a, c)
+    rows = np.stack([a, b, a, c, b, a])
+    enc = roundtrip(rows, vocab)
+    assert enc.encodings.tolist()[2:] == [REPEAT, SPARSE_ZEROS, REPEAT, REPEAT]
+    assert enc.repeat_of.tolist() == [0, 1, 0]
+    alone = encode_rows(rows[:2], vocab)
+    assert (enc.dense, enc.values) == (
+        alone.dense,
+        alone.values + encode_rows(c[None], vocab).values,
+    )
 
 
 def test_bits_past_the_vocab_are_kept() -> None:
@@ -150,6 +174,17 @@ def test_malformed_input_is_rejected() -> None:
         decode_rows([SPARSE_ONES], [3], b"", b"", b"", vocab)
     with pytest.raises(ValueError, match="out must be"):
         decode_rows([SPARSE_ZEROS], [0], b"", b"", b"", vocab, out=np.zeros((1, 3), np.int32))
+    zeros_then_repeat = ([SPARSE_ZEROS, REPEAT], [0, 0], b"", b"", b"", vocab)
+    with pytest.raises(ValueError, match="repeat_of entries"):
+        decode_rows(*zeros_then_repeat)
+    for bad in ([1], [2], [-1]):  # itself, past itself, negative
+        with pytest.raises(ValueError, match="earlier row"):
+            decode_rows(*zeros_then_repeat, repeat_of=bad)
+    with pytest.raises(ValueError, match="earlier row"):  # a repeat of a repeat
+        decode_rows([SPARSE_ZEROS, REPEAT, REPEAT], [0, 0, 0], b"", b"", b"", vocab, None, [0, 1])
+    with pytest.raises(ValueError, match="word counts"):
+        decode_rows([SPARSE_ZEROS, REPEAT], [0, 1], b"", b"\0\0", b"\0" * 4, vocab, None, [0])
+    assert decode_rows(*zeros_then_repeat, repeat_of=[0]).tolist() == [[0, 0], [0, 0]]
 
 
 SCHEMAS = [
@@ -190,9 +225,10 @@ def test_real_llguidance_states_bit_exact(spec: str) -> None:
     assert len(rows) > 40
     c = roundtrip(rows, vocab)
     kinds = set(c.encodings.tolist())
-    assert {SPARSE_ZEROS, SPARSE_ONES} <= kinds  # between keys and inside strings
+    assert {SPARSE_ZEROS, SPARSE_ONES, REPEAT} <= kinds  # between keys, in strings, same states
     assert len(c.index) + len(c.values) + len(c.dense) < rows.nbytes / 2
     # Each row decodes the same alone as in the batch.
     for r in range(0, len(rows), 7):
         one = roundtrip(rows[r : r + 1], vocab)
-        assert one.encodings[0] == c.encodings[r]
+        if c.encodings[r] != REPEAT:
+            assert one.encodings[0] == c.encodings[r]
