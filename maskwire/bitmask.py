@@ -8,9 +8,11 @@ a control character, so ~40% of the words are not all ones), so most rows are fa
 "a base row plus the words that differ from it" than as 16 KB of words. The wire layout
 (``StepResult`` with ``Step.compact_masks``, see docs/protocol.md):
 
-* ``encodings[r]``: ``DENSE``, ``SPARSE_ZEROS`` (base: every word 0) or ``SPARSE_ONES`` (base:
-  every token in ``[0, V)`` allowed) for mask row ``r``.
-* ``counts[r]``: how many words row ``r`` lists (0 for ``DENSE``).
+* ``encodings[r]``: ``DENSE``, ``SPARSE_ZEROS`` (base: every word 0), ``SPARSE_ONES`` (base:
+  every token in ``[0, V)`` allowed) or ``REPEAT`` (the same words as an earlier row) for mask
+  row ``r``.
+* ``counts[r]``: how many words row ``r`` lists (0 for ``DENSE`` and ``REPEAT``).
+* ``repeat_of``: for each ``REPEAT`` row, in order, the earlier non-``REPEAT`` row it repeats.
 * ``dense``: the ``DENSE`` rows' words, in row order (``StepResult.bitmask``).
 * ``index``: for every listed word, rows in order, words ascending within a row: its word index
   in the row, a little-endian uint16 (so ``W <= 65536``, ``V <= 2**21``; larger vocabularies
@@ -19,9 +21,10 @@ a control character, so ~40% of the words are not all ones), so most rows are fa
 
 A listed word costs 6 bytes against 4 for a dense one, so a row is listed only when fewer than
 2/3 of its words differ from the base. Both directions are a few vectorised numpy passes over
-the whole step (no Python loop over rows, words or tokens): encoding picks each row's base from
-a sample of its words, then is one compare per base, a count and a gather (~4x faster than
-comparing every word with both bases); decoding is a fill and one scatter.
+the whole step (no Python loop over rows, words or tokens). Encoding finds the rows equal to an
+earlier one (a 64-bit sum per row, confirmed by a compare), picks each other row's base from a
+sample of its words, then is one compare per base, a count and a gather; decoding is a fill, one
+scatter and one copy for the repeats. 64 Tekken rows: ~290 µs to encode, ~110 µs to decode.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ def ones_row(vocab_size: int) -> np.ndarray:
 def encode_rows(rows: np.ndarray, vocab_size: int) -> CompactRows:
     """Encode int32 ``[n, W]`` rows: a row equal to an earlier one as a REPEAT of it, every other
     row as the cheapest of dense / sparse-zeros / sparse-ones."""
+    rows = np.ascontiguousarray(rows, dtype=np.int32)
     n, words = rows.shape
     if words != words_per_row(vocab_size):
         raise ValueError(
