@@ -10,6 +10,7 @@ import time
 import grpc
 import torch
 
+from maskwire.cpus import available_cpus
 from maskwire.discovery import Resolver
 from maskwire.rpc import Server, start_metrics_server
 from maskwire.tls import ClientTLS, server_tls_mode
@@ -74,8 +75,8 @@ async def serve(
     from neuron_worker.model import load_model
     from neuron_worker.sampler import Sampler, SamplingTensors
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # torch sizes its pool to the node; a container's CPU limit caps it (see maskwire.cpus).
+    torch.set_num_threads(args.threads or min(torch.get_num_threads(), available_cpus()))
     began = time.perf_counter()
     tokenizer = load_tokenizer(args.model)
     backend = create_backend(args.device, compile=args.compile)

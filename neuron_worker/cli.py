@@ -116,7 +116,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="deadline for opening a request on the grammar service (includes compiling)",
     )
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads (0: torch's default, capped by the container's CPU limit)",
+    )
     p.add_argument(
         "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: disabled)"
     )

@@ -6,7 +6,8 @@ import llguidance
 import numpy as np
 import pytest
 
-from grammar_service.backend import LlgBackend, LlgRequest, available_cpus
+from grammar_service.backend import LlgBackend, LlgRequest
+from maskwire.cpus import available_cpus
 from maskwire.tokenizer import Tokenizer, load_tokenizer
 
 SCHEMA = '{"type":"object","properties":{"a":{"type":"string"},"b":{"type":"integer"}}}'
