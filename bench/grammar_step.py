@@ -7,9 +7,10 @@ for its next mask. Measured in the same run:
 * `inprocess`: the service's own llguidance calls (`LlgBackend`: batched consume, mask fill into
   a preallocated buffer with the same executor threads and small-batch shortcuts) and nothing
   else: the floor any wrapper pays.
-* `dense` / `compact`: a grpc.aio client in this process, the service in its own process: one
-  Step round trip as a worker does it (build the Step, serialize, loopback transport, service
-  Python, mask fill, answer, parse, `maskwire.bitmask.step_masks` into a reused buffer), with
+* `dense` / `compact`: the worker's own stream client (`neuron_worker.grammar_client.Replica`)
+  in this process, the service in its own process: one Step round trip as a worker does it
+  (build the Step, serialize, loopback transport, service Python, mask fill, answer, parse,
+  `maskwire.bitmask.step_masks` into a reused buffer), with
   dense answers and with `Step.compact_masks` (the service's default `--compact-min-rows 16`,
   so B < 16 is answered dense there too).
 * `echo`: a bare grpc.aio bidi echo of a message of the same size between the same two kinds of
@@ -23,7 +24,9 @@ for its next mask. Measured in the same run:
 Each measurement runs in `--rounds` interleaved slices, so a slow spell of the machine hits
 all of them alike.
 
-Writes bench/results/grammar_step.json and .png. Usage: python bench/grammar_step.py [--iters N]
+Both ends run on uvloop when it is installed, as the services do. Writes
+bench/results/grammar_step.json and .png. Usage: python bench/grammar_step.py [--iters N]
+[--batches 1 64] [--service-args '--mask-threads 1']
 """
 
 from __future__ import annotations
