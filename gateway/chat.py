@@ -189,17 +189,10 @@ async def _stream(
     model: str,
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
+    out = sse.Chunks(rid, "chat.completion.chunk", created, model, include_usage)
+
     def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        body: dict[str, Any] = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-        }
-        if include_usage:
-            body["usage"] = None
-        return sse.event(body)
+        return out.choice({"delta": delta}, finish)
 
     parser = plan.parser()
     calls = 0
@@ -215,9 +208,7 @@ async def _stream(
                 yield chunk(_delta_chunk(d))
         yield chunk({}, finish_reason(stream.final, calls))
         if include_usage:
-            yield sse.usage_event(
-                rid, "chat.completion.chunk", created, model, stream.usage().model_dump()
-            )
+            yield out.usage(stream.usage().model_dump())
         yield sse.DONE
         stream.done = True
         if calls:

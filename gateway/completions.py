@@ -111,17 +111,10 @@ async def _stream(
     echo: str,
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
-    def chunk(text: str, finish: str | None = None, usage: Any = None) -> bytes:
-        body: dict[str, Any] = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-        }
-        if include_usage:
-            body["usage"] = None
-        return sse.event(body)
+    out = sse.Chunks(rid, "text_completion", created, model, include_usage)
+
+    def chunk(text: str, finish: str | None = None) -> bytes:
+        return out.choice({"text": text}, finish)
 
     try:
         if echo:
@@ -131,9 +124,7 @@ async def _stream(
                 yield chunk(msg.text)
         yield chunk("", finish_reason(stream.final))
         if include_usage:
-            yield sse.usage_event(
-                rid, "text_completion", created, model, stream.usage().model_dump()
-            )
+            yield out.usage(stream.usage().model_dump())
         yield sse.DONE
         stream.done = True
     except errors.APIError as e:

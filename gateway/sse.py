@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterable, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import StreamingResponse
@@ -26,18 +27,38 @@ def event(payload: dict[str, Any]) -> bytes:
     )
 
 
-def usage_event(rid: str, obj: str, created: int, model: str, usage: dict[str, Any]) -> bytes:
-    """The extra last chunk that `stream_options.include_usage` asks for: no choices, usage set."""
-    return event(
-        {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": model,
-            "choices": [],
-            "usage": usage,
+@dataclass(frozen=True)
+class Chunks:
+    """The chunks of one streamed response: every one carries the same id, object, created and
+    model, and `usage: null` when `stream_options.include_usage` asked for a final usage chunk."""
+
+    rid: str
+    obj: str  # "chat.completion.chunk" or "text_completion"
+    created: int
+    model: str
+    include_usage: bool
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.rid,
+            "object": self.obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
         }
-    )
+
+    def choice(self, fields: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        """A chunk with one choice (index 0) holding `fields` (a chat `delta` or a `text`)."""
+        body = self._envelope(
+            [{"index": 0, **fields, "logprobs": None, "finish_reason": finish_reason}]
+        )
+        if self.include_usage:
+            body["usage"] = None
+        return event(body)
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        """The extra last chunk that `include_usage` asks for: no choices, usage set."""
+        return event({**self._envelope([]), "usage": usage})
 
 
 class EventStream(StreamingResponse):
