@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from maskwire.event_loop import add_event_loop_argument
-from maskwire.tls import TLSConfigError, add_server_tls_arguments, server_credentials_from_args
+from maskwire.server_args import add_grpc_server_arguments
+from maskwire.tls import TLSConfigError, server_credentials_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=50061, help="gRPC port (0 picks a free one)")
+    add_grpc_server_arguments(p, port=50061, drain_grace_s=5.0)
     p.add_argument(
         "--tokenizer",
         action="append",
@@ -47,15 +46,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-message-bytes", type=int, default=64 * 1024 * 1024, help="gRPC message size limit"
     )
-    p.add_argument(
-        "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: disabled)"
-    )
-    p.add_argument(
-        "--drain-grace-s", type=float, default=5.0, help="on SIGTERM, time for in-flight work"
-    )
-    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING... (default INFO)")
-    add_server_tls_arguments(p)
-    add_event_loop_argument(p)
     g = p.add_argument_group("llguidance parser limits")
     g.add_argument("--max-items-in-row", type=int, default=2000)
     g.add_argument("--initial-lexer-fuel", type=int, default=1_000_000)

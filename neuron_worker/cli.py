@@ -6,13 +6,12 @@ import argparse
 import sys
 
 from maskwire.discovery import add_refresh_argument
-from maskwire.event_loop import add_event_loop_argument
-from maskwire.tls import add_client_tls_arguments, add_server_tls_arguments
+from maskwire.server_args import add_grpc_server_arguments
+from maskwire.tls import add_client_tls_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
+    add_grpc_server_arguments(p, port=50051, drain_grace_s=10.0)
     p.add_argument(
         "--model",
         default="default",
@@ -122,16 +121,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="torch CPU threads (0: torch's default, capped by the container's CPU limit)",
     )
-    p.add_argument(
-        "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: disabled)"
-    )
-    p.add_argument(
-        "--drain-grace-s", type=float, default=10.0, help="on SIGTERM, time for in-flight requests"
-    )
-    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING... (default INFO)")
-    add_server_tls_arguments(p)
     add_client_tls_arguments(p, "grammar", "the grammar service")
-    add_event_loop_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
