@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from maskwire.rpc import channel_options
 from maskwire.tokenizer import Tokenizer, load_tokenizer
 from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.support.processes import ServiceProcess, free_port, running
+from tests.support.processes import ServiceProcess, free_port, grammar_and_worker, running
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_SEQ_LEN = 256  # small context: "prompt longer than the context" is cheap to build
@@ -174,21 +174,10 @@ def start_stack(
 ) -> Iterator[Stack]:
     gm, wm = free_port(), free_port()
     with (
-        running("grammar-service", ["--tokenizer", "default", "--metrics-port", str(gm)]) as gs,
-        running(
-            "worker",
-            [
-                "--model",
-                "default",
-                "--grammar-service",
-                gs.address,
-                "--metrics-port",
-                str(wm),
-                "--max-seq-len",
-                str(MAX_SEQ_LEN),
-                *worker_args,
-            ],
-        ) as w,
+        grammar_and_worker(
+            ["--metrics-port", str(wm), "--max-seq-len", str(MAX_SEQ_LEN), *worker_args],
+            ["--metrics-port", str(gm)],
+        ) as (gs, w),
         running("gateway", ["--worker", w.address, *gateway_args], http=True) as g,
     ):
         yield Stack(gs, w, g, gm, wm, load_tokenizer("default"))

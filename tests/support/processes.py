@@ -123,3 +123,18 @@ def running(
         yield svc
     finally:
         svc.stop()
+
+
+@contextlib.contextmanager
+def grammar_and_worker(
+    worker_args: list[str] | tuple[str, ...] = (),
+    grammar_args: list[str] | tuple[str, ...] = (),
+) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+    """A grammar service (default tokenizer) and a worker on the embedded model that uses it."""
+    with (
+        running("grammar-service", ["--tokenizer", "default", *grammar_args]) as gs,
+        running(
+            "worker", ["--model", "default", "--grammar-service", gs.address, *worker_args]
+        ) as w,
+    ):
+        yield gs, w

@@ -13,27 +13,12 @@ import pytest
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
 from tests.integration.faults.support import assert_valid, first_tokens, start_constrained
 from tests.integration.worker.conftest import channel, generate
-from tests.support.processes import ServiceProcess, running
+from tests.support.processes import ServiceProcess, grammar_and_worker
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
-    with (
-        running("grammar-service", ["--tokenizer", "default"]) as gs,
-        running(
-            "worker",
-            [
-                "--model",
-                "default",
-                "--grammar-service",
-                gs.address,
-                "--grammar-timeout-s",
-                "1",
-                "--max-seq-len",
-                "512",
-            ],
-        ) as w,
-    ):
+    with grammar_and_worker(["--grammar-timeout-s", "1", "--max-seq-len", "512"]) as (gs, w):
         yield gs, w
 
 

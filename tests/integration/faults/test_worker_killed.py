@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.processes import ServiceProcess, running
+from tests.support.processes import ServiceProcess, grammar_and_worker, running
 
 MODEL = "SmolLM2-135M-Instruct"
 STREAMS = 3
@@ -21,8 +21,7 @@ STREAMS = 3
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
     with (
-        running("grammar-service", ["--tokenizer", "default"]) as gs,
-        running("worker", ["--model", "default", "--grammar-service", gs.address]) as w,
+        grammar_and_worker() as (_, w),
         running("gateway", ["--worker", w.address, "--health-interval-s", "1"], http=True) as g,
     ):
         yield w, g

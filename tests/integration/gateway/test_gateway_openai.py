@@ -16,7 +16,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.support.processes import ServiceProcess, free_port, running
+from tests.support.processes import ServiceProcess, free_port, grammar_and_worker, running
 
 MODEL = "SmolLM2-135M-Instruct"
 FORMATS = jsonschema.FormatChecker()
@@ -29,20 +29,7 @@ def worker_metrics_port() -> int:
 
 @pytest.fixture(scope="module")
 def worker(worker_metrics_port: int) -> Iterator[ServiceProcess]:
-    with (
-        running("grammar-service", ["--tokenizer", "default"]) as gs,
-        running(
-            "worker",
-            [
-                "--model",
-                "default",
-                "--grammar-service",
-                gs.address,
-                "--metrics-port",
-                str(worker_metrics_port),
-            ],
-        ) as w,
-    ):
+    with grammar_and_worker(["--metrics-port", str(worker_metrics_port)]) as (_, w):
         yield w
 
 
