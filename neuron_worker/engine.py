@@ -489,7 +489,8 @@ class Engine:
         ignored), then act on the tokens."""
         n = int(logits.shape[0])
         reqs = [row.req if row is not None else None for row in rows]
-        compact = np.full((n, self.words), -1, dtype=np.int32)
+        # Rows past the m-th stay uninitialised: their `dest` is n, so scatter_mask_rows drops them.
+        compact = np.empty((n, self.words), dtype=np.int32)
         dest = np.full(n, n, dtype=np.int64)
         ban_eos = np.zeros(n, dtype=bool)
         temperature, top_p, top_k, seed, offset = [], [], [], [], []
