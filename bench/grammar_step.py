@@ -54,7 +54,8 @@ sys.path.insert(0, str(ROOT))
 import grammar_service.session as session_module  # noqa: E402
 from grammar_service.backend import LlgBackend, LlgRequest  # noqa: E402
 from grammar_service.compile_cache import CompileCache  # noqa: E402
-from grammar_service.compiler import Compiler, ParserLimits  # noqa: E402
+from grammar_service.compile_pool import Compiler  # noqa: E402
+from grammar_service.compiler import ParserLimits  # noqa: E402
 from grammar_service.runtime import Limits, Runtime  # noqa: E402
 from grammar_service.session import Session  # noqa: E402
 from maskwire import event_loop  # noqa: E402

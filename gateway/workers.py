@@ -31,7 +31,12 @@ from maskwire.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# Retried on another worker when nothing was streamed yet. Never retried: INVALID_ARGUMENT and
+# the rest of the client errors, among them CONSTRAINT_CRASHED (a constraint that crashed the
+# grammar tier would crash it again through the next worker).
 _FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# UNAVAILABLE reasons that describe a tier behind the worker, not the worker itself.
+_TIER_REASONS = ("GRAMMAR_SERVICE_UNAVAILABLE", "COMPILE_SANDBOX_UNAVAILABLE")
 
 
 def parse_addresses(values: Sequence[str]) -> list[str]:
@@ -241,7 +246,8 @@ class WorkerPool:
             except grpc.aio.AioRpcError as e:
                 err = RpcError.from_call_error(e)
                 if not produced and err.code in _FAILOVER_CODES:
-                    if err.code == grpc.StatusCode.UNAVAILABLE:
+                    # The grammar tier being down is not this worker being down.
+                    if err.code == grpc.StatusCode.UNAVAILABLE and err.reason not in _TIER_REASONS:
                         self.mark_down(ep, f"UNAVAILABLE: {err.message}")
                     last = err
                     continue

@@ -25,7 +25,81 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--compile-timeout-s", type=float, default=10.0, help="deadline per compile")
     p.add_argument("--compile-cache-size", type=int, default=1024, help="compiled grammars kept")
-    p.add_argument("--compile-threads", type=int, default=2, help="compile thread pool size")
+    p.add_argument(
+        "--compile-threads",
+        type=int,
+        default=2,
+        help="threads that translate constraints and build matchers in this process",
+    )
+    sb = p.add_argument_group(
+        "compile sandbox (child processes that run the grammar compiler on untrusted grammars)"
+    )
+    sb.add_argument(
+        "--compile-sandbox",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="verify every new grammar in a child process first, so a grammar that crashes or "
+        "runs away kills a child, not this service (default on; off only for debugging)",
+    )
+    sb.add_argument("--compile-workers", type=int, default=2, help="sandbox child processes")
+    sb.add_argument(
+        "--compile-memory-mb",
+        type=int,
+        default=4096,
+        help="address-space limit of one sandbox child (MiB; 0: none)",
+    )
+    sb.add_argument(
+        "--compile-stack-mb",
+        type=int,
+        default=256,
+        help="stack of the thread that compiles in a sandbox child (MiB)",
+    )
+    sb.add_argument(
+        "--compile-large-bytes",
+        type=int,
+        default=64 << 10,
+        help="grammars larger than this may occupy at most all but one sandbox child, so small "
+        "grammars never queue behind big ones",
+    )
+    sb.add_argument(
+        "--state-dir",
+        default="",
+        help="directory that keeps the poison list (constraints that crashed this service) "
+        "across restarts (default: $XDG_STATE_HOME/maskwire/grammar-service-PORT)",
+    )
+    sb.add_argument(
+        "--poison-ttl-s",
+        type=float,
+        default=3600.0,
+        help="how long a constraint that crashed this service stays refused",
+    )
+    sb.add_argument(
+        "--thread-stack-mb",
+        type=int,
+        default=256,
+        help="stack of this service's threads (MiB): llguidance recurses over a grammar's "
+        "structure natively",
+    )
+    b = p.add_argument_group("constraint shape (checked before compiling)")
+    b.add_argument(
+        "--max-schema-depth",
+        type=int,
+        default=256,
+        help="longest chain of nested subschemas in a JSON schema, counting $ref hops",
+    )
+    b.add_argument(
+        "--max-schema-nodes", type=int, default=200_000, help="objects and arrays in one schema"
+    )
+    b.add_argument(
+        "--max-grammar-depth",
+        type=int,
+        default=256,
+        help="longest chain of rule references in a Lark/GBNF grammar",
+    )
+    b.add_argument(
+        "--max-grammar-rules", type=int, default=20_000, help="rules in one Lark/GBNF grammar"
+    )
+    b.add_argument("--max-choices", type=int, default=200_000, help="alternatives of a choice")
     p.add_argument(
         "--mask-threads",
         type=int,

@@ -1,4 +1,11 @@
-"""Constraint -> llguidance grammar: translation, validation, limits and a compile pool with a deadline.
+"""Constraint -> llguidance grammar, in stages: translate, bound, verify, build.
+
+* `translate` turns a `Constraint` into an llguidance grammar string and checks its shape against
+  `ConstraintBounds` (cheap, in-process, no native recursion).
+* `verify` runs the grammar compiler on it: validation, a matcher, its first mask. This is where
+  hostile grammars crash or run away, so the service runs it in the compile sandbox
+  (`grammar_service.sandbox`: child processes with a deadline and a memory limit).
+* `build_template` makes the service's own template matcher from a verified grammar.
 
 Every error a client can cause becomes an `RpcError(INVALID_ARGUMENT)` whose `google.rpc.BadRequest`
 field violations name the constraint field and say what is wrong (llguidance's message, which
@@ -7,11 +14,10 @@ carries the line/column or JSON pointer). Nothing here raises anything else for 
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import copy
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +25,8 @@ from typing import Any
 import grpc
 import llguidance
 
+from grammar_service import bounds as shape
+from grammar_service.bounds import ConstraintBounds
 from grammar_service.json_options import DEFAULT_ITEM_SEPARATOR, DEFAULT_KEY_SEPARATOR
 from grammar_service.json_options import forbid_additional_properties as _forbid
 from maskwire.rpc import RpcError
@@ -144,7 +152,9 @@ def _parse_json(text: str, field: str) -> Any:
         raise _bad(field, "not valid JSON: nested too deeply") from None
 
 
-def _prepare_schema(value: Any, opts: common_pb2.JsonOptions, field: str) -> dict[str, Any]:
+def _prepare_schema(
+    value: Any, opts: common_pb2.JsonOptions, field: str, bounds: ConstraintBounds
+) -> dict[str, Any]:
     # Boolean schemas: `true` is `{}` (which can carry the layout options); `false` admits nothing.
     if value is True:
         return {}
@@ -154,6 +164,7 @@ def _prepare_schema(value: Any, opts: common_pb2.JsonOptions, field: str) -> dic
         raise _bad(
             field, f"a JSON Schema must be an object or a boolean, got {type(value).__name__}"
         )
+    shape.check_schema(value, field, bounds)
     if opts.additional_properties == common_pb2.ADDITIONAL_PROPERTIES_FORBID:
         value = _forbid(copy.deepcopy(value))
     return value
@@ -173,13 +184,24 @@ def _lark_string(text: str) -> str:
     return json.dumps(text)
 
 
+def _choice_grammar(choices: list[str]) -> str:
+    # One terminal whose alternatives are the choices: the lexer matches them with one automaton
+    # (a trie), so 100,000 choices compile in about a second. As parser alternatives
+    # (`start: "a" | "b" | ...`) each choice would be an Earley item in the first row, past the
+    # parser's `max_items_in_row` at a few thousand and minutes to compile at 100,000.
+    return "start: CHOICE\nCHOICE: " + " | ".join(_lark_string(c) for c in choices)
+
+
 def _is_special_single_token(trigger: str, tokenizer: Tokenizer) -> bool:
     ids = tokenizer.ll.tokenize_str(trigger, parse_special=True)
     return len(ids) == 1 and bool(tokenizer.ll.is_special_token(ids[0]))
 
 
 def _structural_tags_grammar(
-    st: common_pb2.StructuralTags, opts: common_pb2.JsonOptions, tokenizer: Tokenizer
+    st: common_pb2.StructuralTags,
+    opts: common_pb2.JsonOptions,
+    tokenizer: Tokenizer,
+    bounds: ConstraintBounds,
 ) -> str:
     if not st.tags:
         raise _bad("constraint.structural_tags.tags", "at least one tag is required")
@@ -202,7 +224,10 @@ def _structural_tags_grammar(
         if not tag.json_schema:
             raise _bad(f"{field}.json_schema", "must not be empty")
         schema = _prepare_schema(
-            _parse_json(tag.json_schema, f"{field}.json_schema"), opts, f"{field}.json_schema"
+            _parse_json(tag.json_schema, f"{field}.json_schema"),
+            opts,
+            f"{field}.json_schema",
+            bounds,
         )
         if isinstance(schema, dict):
             schema = {
@@ -227,15 +252,20 @@ def _looks_special(trigger: str) -> bool:
     return trigger.startswith("<") and trigger.endswith(">")
 
 
-def to_grammar(constraint: common_pb2.Constraint, tokenizer: Tokenizer) -> str:
-    """Translate a constraint into an llguidance grammar string (not yet validated)."""
+def to_grammar(
+    constraint: common_pb2.Constraint,
+    tokenizer: Tokenizer,
+    bounds: ConstraintBounds = ConstraintBounds(),  # noqa: B008 (frozen, immutable)
+) -> str:
+    """Translate a constraint into an llguidance grammar string and check its shape (`bounds`);
+    not yet validated by the grammar compiler."""
     kind = constraint_kind(constraint)
     opts = constraint.json_options
     if kind == "json_schema":
         field = "constraint.json_schema"
         if not constraint.json_schema.strip():
             raise _bad(field, "must not be empty")
-        schema = _prepare_schema(_parse_json(constraint.json_schema, field), opts, field)
+        schema = _prepare_schema(_parse_json(constraint.json_schema, field), opts, field, bounds)
         return _json_grammar(schema, opts)
     if kind == "json_object":
         if not constraint.json_object:
@@ -246,6 +276,7 @@ def to_grammar(constraint: common_pb2.Constraint, tokenizer: Tokenizer) -> str:
     if kind == "lark":
         if not constraint.lark.strip():
             raise _bad("constraint.lark", "must not be empty")
+        shape.check_grammar(constraint.lark, "constraint.lark", bounds)
         return str(llguidance.LLMatcher.grammar_from_lark(constraint.lark))
     if kind == "gbnf":
         if not constraint.gbnf.strip():
@@ -254,26 +285,90 @@ def to_grammar(constraint: common_pb2.Constraint, tokenizer: Tokenizer) -> str:
 
         try:
             lark = any_to_lark(constraint.gbnf)
+        except RecursionError:
+            raise _bad("constraint.gbnf", "cannot convert GBNF: nested too deeply") from None
         except Exception as e:  # the converter raises plain exceptions with a position in the text
             raise _bad("constraint.gbnf", f"cannot convert GBNF: {e}") from None
+        shape.check_grammar(lark, "constraint.gbnf", bounds)
         return str(llguidance.LLMatcher.grammar_from_lark(lark))
     if kind == "choice":
         choices = list(constraint.choice.choices)
         if not choices:
             raise _bad("constraint.choice.choices", "at least one choice is required")
+        shape.check_choices(len(choices), "constraint.choice.choices", bounds)
         for i, c in enumerate(choices):
             if not c:
                 raise _bad(f"constraint.choice.choices[{i}]", "a choice must not be empty")
-        lark = "start: " + " | ".join(_lark_string(c) for c in choices)
-        return str(llguidance.LLMatcher.grammar_from_lark(lark))
-    return _structural_tags_grammar(constraint.structural_tags, opts, tokenizer)
+        return str(llguidance.LLMatcher.grammar_from_lark(_choice_grammar(choices)))
+    return _structural_tags_grammar(constraint.structural_tags, opts, tokenizer, bounds)
 
 
-def _error_field(kind: str) -> str:
+def error_field(kind: str) -> str:
+    """The request field a problem with a constraint of this kind is reported against."""
     return {
         "choice": "constraint.choice.choices",
         "structural_tags": "constraint.structural_tags",
     }.get(kind, f"constraint.{kind}")
+
+
+def _rejected(field: str, detail: str) -> RpcError:
+    unsupported = "Unimplemented keys" in detail or "not supported" in detail
+    return RpcError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"invalid {field}: {detail}",
+        [(field, detail)],
+        reason="UNSUPPORTED_CONSTRAINT" if unsupported else "INVALID_CONSTRAINT",
+    )
+
+
+# A test hook (never set in production): `MASKWIRE_TESTING_CRASH=sandbox:TEXT` or `service:TEXT`
+# makes that process abort while compiling a grammar that contains TEXT, so the crash defences
+# can be tested without depending on whichever input crashes llguidance today.
+TESTING_CRASH_ENV = "MASKWIRE_TESTING_CRASH"
+
+
+def testing_crash_point(where: str, grammar: str) -> None:
+    spec = os.environ.get(TESTING_CRASH_ENV, "")
+    if spec.startswith(where + ":") and spec[len(where) + 1 :] in grammar:
+        os.abort()
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What `verify` learnt about a grammar: it compiles, and its warnings."""
+
+    warnings: tuple[str, ...]
+    matcher: llguidance.LLMatcher | None = None  # the matcher it built (only in-process)
+
+
+def verify(grammar: str, tokenizer: Tokenizer, limits: ParserLimits, field: str) -> Verified:
+    """Run the grammar compiler on `grammar` the way serving will: validate it, build a matcher
+    and compute its first mask and forced tokens, so that a grammar past the parser's limits is
+    refused now with INVALID_ARGUMENT instead of failing its first request step."""
+    testing_crash_point("sandbox", grammar)
+    ll_limits = limits.to_ll()
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, tokenizer.ll, limits=ll_limits
+    )
+    if is_error:
+        raise _rejected(field, clean_error(messages[0] if messages else "invalid grammar"))
+    matcher = llguidance.LLMatcher(tokenizer.ll, grammar, log_level=0, limits=ll_limits)
+    probe = matcher.deep_copy()
+    if not probe.is_error():
+        probe.compute_bitmask()
+        probe.compute_ff_tokens()
+    if probe.is_error():
+        raise _rejected(field, clean_error(probe.get_error()))
+    return Verified(tuple(clean_error(w) for w in messages), matcher)
+
+
+def build_template(grammar: str, tokenizer: Tokenizer, limits: ParserLimits, field: str) -> Any:
+    """The service's template matcher for a grammar that `verify` accepted (in the sandbox)."""
+    testing_crash_point("service", grammar)
+    template = llguidance.LLMatcher(tokenizer.ll, grammar, log_level=0, limits=limits.to_ll())
+    if template.is_error():
+        raise _rejected(field, clean_error(template.get_error()))
+    return template
 
 
 def compile_constraint(
@@ -281,111 +376,20 @@ def compile_constraint(
     tokenizer: Tokenizer,
     limits: ParserLimits,
     grammar_id: str = "",
+    bounds: ConstraintBounds = ConstraintBounds(),  # noqa: B008 (frozen, immutable)
 ) -> CompiledGrammar:
-    """Translate, validate and build the template matcher (blocking; run it in the compile pool)."""
+    """Translate, verify and build the template in this process (blocking): for tests, tools and
+    `--no-compile-sandbox`. The service's `Compiler` runs the same stages with `verify` sandboxed."""
     t0 = time.perf_counter()
     kind = constraint_kind(constraint)
-    grammar = to_grammar(constraint, tokenizer)
-    ll_limits = limits.to_ll()
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        grammar, tokenizer.ll, limits=ll_limits
-    )
-    if is_error:
-        detail = clean_error(messages[0] if messages else "invalid grammar")
-        unsupported = "Unimplemented keys" in detail or "not supported" in detail
-        raise RpcError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"invalid {_error_field(kind)}: {detail}",
-            [(_error_field(kind), detail)],
-            reason="UNSUPPORTED_CONSTRAINT" if unsupported else "INVALID_CONSTRAINT",
-        )
-    template = llguidance.LLMatcher(tokenizer.ll, grammar, log_level=0, limits=ll_limits)
-    if template.is_error():
-        detail = clean_error(template.get_error())
-        raise RpcError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"invalid {_error_field(kind)}: {detail}",
-            [(_error_field(kind), detail)],
-            reason="INVALID_CONSTRAINT",
-        )
+    grammar = to_grammar(constraint, tokenizer, bounds)
+    checked = verify(grammar, tokenizer, limits, error_field(kind))
+    assert checked.matcher is not None
     return CompiledGrammar(
         grammar_id=grammar_id or grammar_key(constraint, tokenizer),
         grammar=grammar,
         tokenizer=tokenizer,
-        warnings=tuple(clean_error(w) for w in messages),
-        template=template,
+        warnings=checked.warnings,
+        template=checked.matcher,
         compile_ms=(time.perf_counter() - t0) * 1000.0,
     )
-
-
-class Compiler:
-    """Runs compilations in a bounded thread pool with a per-compile deadline and size limit."""
-
-    def __init__(
-        self,
-        *,
-        limits: ParserLimits,
-        threads: int = 2,
-        timeout_s: float = 10.0,
-        max_schema_bytes: int = 1 << 20,
-    ) -> None:
-        self.limits = limits
-        self.timeout_s = timeout_s
-        self.max_schema_bytes = max_schema_bytes
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, threads), thread_name_prefix="compile"
-        )
-
-    def check_size(self, constraint: common_pb2.Constraint) -> None:
-        size = constraint_size(constraint)
-        if size > self.max_schema_bytes:
-            kind = constraint.WhichOneof("kind") or "constraint"
-            raise RpcError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"constraint is {size} bytes; this service accepts at most {self.max_schema_bytes}",
-                [
-                    (
-                        _error_field(kind),
-                        f"{size} bytes exceeds the limit of {self.max_schema_bytes}",
-                    )
-                ],
-                reason="CONSTRAINT_TOO_LARGE",
-            )
-
-    async def compile(
-        self, constraint: common_pb2.Constraint, tokenizer: Tokenizer, grammar_id: str = ""
-    ) -> CompiledGrammar:
-        """Compile off the event loop; DEADLINE_EXCEEDED after `timeout_s`."""
-        self.check_size(constraint)
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(
-            self._pool, compile_constraint, constraint, tokenizer, self.limits, grammar_id
-        )
-        try:
-            return await asyncio.wait_for(fut, self.timeout_s)
-        except TimeoutError:
-            # The worker thread cannot be interrupted; it finishes in the background and its
-            # result is dropped. The pool size bounds how many such runaways can pile up.
-            raise RpcError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"compiling the constraint took longer than {self.timeout_s:g}s",
-                [
-                    (
-                        _error_field(constraint.WhichOneof("kind") or ""),
-                        "grammar too complex to compile in time",
-                    )
-                ],
-                reason="COMPILE_TIMEOUT",
-            ) from None
-        except RpcError:
-            raise
-        except Exception as e:  # never let a library failure become a stack trace on the wire
-            raise RpcError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"cannot compile the constraint: {e}",
-                [(_error_field(constraint.WhichOneof("kind") or ""), str(e))],
-                reason="INVALID_CONSTRAINT",
-            ) from None
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -33,3 +33,18 @@ ROWS_PER_STEP = Histogram(
 )
 LIVE_SESSIONS = Gauge("maskwire_grammar_live_sessions", "Open Session streams.")
 LIVE_REQUESTS = Gauge("maskwire_grammar_live_requests", "Requests open across all streams.")
+POISON_REQUESTS = Counter(
+    "maskwire_grammar_poison_requests_total",
+    "Constraints refused because compiling them crashed a process of this service before.",
+)
+SANDBOX_CRASHES = Counter(
+    "maskwire_grammar_sandbox_crashes_total",
+    "Compile-sandbox children that died while compiling (each constraint is then poison).",
+)
+SANDBOX_KILLS = Counter(
+    "maskwire_grammar_sandbox_kills_total",
+    "Compile-sandbox children killed because their compile passed its deadline.",
+)
+SANDBOX_WORKERS = Gauge(
+    "maskwire_grammar_sandbox_workers", "Compile-sandbox children ready to take a job."
+)

@@ -12,7 +12,8 @@ import grpc
 from grammar_service import metrics
 from grammar_service.backend import Backend
 from grammar_service.compile_cache import CompileCache
-from grammar_service.compiler import CompiledGrammar, Compiler, grammar_key
+from grammar_service.compile_pool import Compiler
+from grammar_service.compiler import CompiledGrammar, grammar_key
 from maskwire.rpc import RpcError
 from maskwire.tokenizer import Fingerprint, Tokenizer
 from maskwire.v1 import common_pb2

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
+from pathlib import Path
 
 import grpc
 
 from grammar_service.backend import LlgBackend
+from grammar_service.bounds import ConstraintBounds
 from grammar_service.compile_cache import CompileCache
-from grammar_service.compiler import Compiler, ParserLimits
+from grammar_service.compile_pool import Compiler, use_large_thread_stacks
+from grammar_service.compiler import ParserLimits
+from grammar_service.poison import PoisonList
 from grammar_service.runtime import Limits, Runtime
+from grammar_service.sandbox import Sandbox, SandboxConfig
 from grammar_service.servicer import GrammarServicer
 from maskwire.rpc import Server, start_metrics_server
 from maskwire.tls import server_tls_mode
@@ -46,11 +52,32 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
         max_lexer_states=args.max_lexer_states,
         max_grammar_size=args.max_grammar_size,
     )
+    sandbox = None
+    if args.compile_sandbox:
+        sandbox = Sandbox(
+            specs,
+            limits,
+            SandboxConfig(
+                workers=args.compile_workers,
+                memory_mb=args.compile_memory_mb,
+                stack_mb=args.compile_stack_mb,
+                large_bytes=args.compile_large_bytes,
+            ),
+        )
     compiler = Compiler(
         limits=limits,
+        bounds=ConstraintBounds(
+            max_schema_depth=args.max_schema_depth,
+            max_schema_nodes=args.max_schema_nodes,
+            max_grammar_depth=args.max_grammar_depth,
+            max_grammar_rules=args.max_grammar_rules,
+            max_choices=args.max_choices,
+        ),
         threads=args.compile_threads,
         timeout_s=args.compile_timeout_s,
         max_schema_bytes=args.max_schema_bytes,
+        sandbox=sandbox,
+        poison=PoisonList(state_dir(args), args.poison_ttl_s),
     )
     return Runtime(
         tokenizers=tokenizers,
@@ -66,12 +93,25 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
     )
 
 
+def state_dir(args: argparse.Namespace) -> Path | None:
+    """Where the poison list survives restarts: --state-dir, else one directory per port under
+    the user's state directory (a free port, 0, has no stable identity: memory only)."""
+    if args.state_dir:
+        return Path(args.state_dir)
+    if not args.port:
+        return None
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "maskwire" / f"grammar-service-{args.port}"
+
+
 async def main(args: argparse.Namespace, credentials: grpc.ServerCredentials | None = None) -> int:
+    use_large_thread_stacks(args.thread_stack_mb)
     try:
         runtime = build_runtime(args)
     except TokenizerLoadError as e:
         log.error("%s", e)
         return 2
+    runtime.compiler.start(list(runtime.tokenizers.values()))
     servicer = GrammarServicer(runtime)
     server = Server(
         host=args.host,

@@ -11,12 +11,19 @@ import grpc
 from grammar_service import metrics
 from grammar_service.runtime import Runtime
 from grammar_service.session import Session
-from maskwire.rpc import RpcError
+from maskwire.rpc import ACCEPTED_METADATA, RpcError
 from maskwire.v1 import grammar_pb2, grammar_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_DRAINING = "grammar service is draining: re-open the requests elsewhere with replay_tokens"
+_DRAINING = RpcError(
+    grpc.StatusCode.UNAVAILABLE,
+    "grammar service is draining: re-open the requests elsewhere with replay_tokens",
+    reason="DRAINING",
+)
+_INTERNAL = RpcError(
+    grpc.StatusCode.INTERNAL, "grammar service internal error", reason="INTERNAL_ERROR"
+)
 
 
 class _Stream:
@@ -38,6 +45,7 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
     async def Compile(
         self, request: grammar_pb2.CompileRequest, context: grpc.aio.ServicerContext
     ) -> grammar_pb2.CompileResponse:
+        await context.send_initial_metadata(ACCEPTED_METADATA)
         try:
             tok = self.runtime.tokenizer_for(request.tokenizer, field="tokenizer", required=False)
             if not request.HasField("constraint"):
@@ -62,6 +70,7 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
         request_iterator: AsyncIterator[grammar_pb2.SessionRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
+        await context.send_initial_metadata(ACCEPTED_METADATA)
         session = Session(self.runtime)
         stream = _Stream(asyncio.current_task())
         self._streams.add(stream)
@@ -78,19 +87,19 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
                     # A bug, not bad input: log it here, end this stream (its requests' state is
                     # unknown now), never send a stack trace.
                     log.exception("session failed")
-                    await context.abort(grpc.StatusCode.INTERNAL, "grammar service internal error")
+                    await _INTERNAL.abort(context)
                     return
                 await context.write(resp)
                 stream.busy = False
                 if self.draining:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
+                    await _DRAINING.abort(context)
                     return
         except asyncio.CancelledError:
             if not self.draining:
                 raise
             # `drain` cancelled this idle stream: tell the client, which would otherwise wait for
             # answers until the grace period ends, so it re-opens its requests elsewhere now.
-            await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
+            await _DRAINING.abort(context)
         finally:
             freed = session.close_all()
             self._streams.discard(stream)

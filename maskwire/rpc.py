@@ -23,6 +23,21 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 FieldViolation = tuple[str, str]
 """(field path, description) for `google.rpc.BadRequest`."""
 
+ACCEPTED_METADATA = (("maskwire-accepted", "1"),)
+"""Initial metadata a maskwire service sends as soon as it takes a call, so that a client can
+tell a peer that died mid-call (headers seen, then the connection broke) from one it never
+reached."""
+
+_STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+def has_status_details(metadata: object) -> bool:
+    """Whether a call's trailing metadata carries a `google.rpc.Status`: the status came from
+    the service's own code (maskwire services always attach one), not from a broken transport."""
+    if not metadata:
+        return False
+    return any(k == _STATUS_DETAILS_KEY for k, _ in metadata)  # type: ignore[attr-defined]
+
 
 def status_proto(
     code: grpc.StatusCode, message: str, violations: Sequence[FieldViolation] = (), reason: str = ""

@@ -7,6 +7,7 @@ checkpoint directory, or a Mistral Tekken json. Both services load the same SPEC
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
@@ -90,6 +91,7 @@ class Tokenizer:
     add_bos: bool = False
     bos_token_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    spec: str = ""  # the SPEC it was loaded from ("" when built otherwise)
 
     @property
     def vocab_size(self) -> int:
@@ -132,6 +134,10 @@ class Tokenizer:
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(spec: str) -> Tokenizer:
     """Load the tokenizer named by SPEC (cached per process)."""
+    return dataclasses.replace(_load(spec), spec=spec)
+
+
+def _load(spec: str) -> Tokenizer:
     path = resolve_spec(spec)
     if path.is_dir():
         return _from_hf_dir(path)

@@ -108,6 +108,7 @@ async def serve(
             open_timeout_s=args.grammar_open_timeout_s,
             tls=grammar_tls,
             compact_masks=args.grammar_compact_masks,
+            poison_after=args.grammar_poison_after,
         )
         client = grammar
         resolver = Resolver(

@@ -116,6 +116,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="deadline for opening a request on the grammar service (includes compiling)",
     )
     p.add_argument(
+        "--grammar-poison-after",
+        type=int,
+        default=2,
+        help="grammar replicas that may die holding one request's compile, Open or first step "
+        "before the request fails as CONSTRAINT_CRASHED and its constraint is never sent again "
+        "(the retry after the first death survives a machine failure)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=0,

@@ -317,7 +317,7 @@ class Engine:
             if out is not None:
                 if not out.ok:
                     # Nothing was streamed yet: report a gRPC status instead of a half answer.
-                    self._finish(req, FR.FINISH_REASON_ERROR, status=RpcError(out.code, out.error))
+                    self._finish(req, FR.FINISH_REASON_ERROR, status=out.status())
                     continue
                 ff = out.ff_tokens
                 if ff and self._append(req, ff, forced=True):

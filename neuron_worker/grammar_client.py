@@ -1,20 +1,32 @@
 """The worker's side of the grammar Session protocol.
 
 One bidirectional `Session` stream per grammar-service replica. Each request is opened on the
-least-loaded live replica. `step()` sends every replica its rows in parallel and returns one
-`RowOutcome` per row, in order. When a replica's stream breaks, its requests are re-opened on
-another replica with `replay_tokens` (the tokens the grammar had consumed) and their rows are
-sent again, so generation continues. A replica that does not answer within the per-step deadline
-fails only the requests it holds, with a clear error, and is taken out of placement for a while.
+least-loaded live replica: its constraint is compiled with the unary `Compile` RPC (so a long
+compile never holds up the stream's steps), then opened on the stream by `grammar_id`. `step()`
+sends every replica its rows in parallel and returns one `RowOutcome` per row, in order. When a
+replica's stream breaks, its requests are re-opened on another replica with `replay_tokens` (the
+tokens the grammar had consumed) and their rows are sent again, so generation continues. A
+replica that does not answer within the per-step deadline fails only the requests it holds, with a
+clear error, and is taken out of placement for a while.
+
+Query of death: a replica process that dies while it holds a request's compile, Open or first
+step gives that request a strike. A request is re-opened elsewhere after one strike; at
+`poison_after` strikes it fails with `CONSTRAINT_CRASHED` and its constraint is never sent again
+from this worker, so one hostile constraint cannot walk through the whole grammar tier. Requests
+that merely lived on the dead replica are replayed as usual. "Died" means the connection broke
+after the replica had accepted the call (it sends `maskwire.rpc.ACCEPTED_METADATA` first); an
+unreachable replica, a drain or an error status the service sent itself is no strike.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import itertools
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,19 +34,41 @@ import grpc
 import numpy as np
 
 from maskwire.bitmask import step_masks
-from maskwire.rpc import RpcError, channel_options
+from maskwire.rpc import ACCEPTED_METADATA, RpcError, channel_options, has_status_details
 from maskwire.tls import ClientTLS, make_channel
 from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc
-from neuron_worker.metrics import GRAMMAR_REPLAYS
+from neuron_worker.metrics import GRAMMAR_REPLAYS, GRAMMAR_REPLICA_DEATHS, POISON_REQUESTS
 
 log = logging.getLogger(__name__)
 
 # How long a replica whose stream broke stays out of placement (doubles per failure, capped).
 _BACKOFF_S = (0.5, 30.0)
+# Constraints remembered as poison, and grammar ids remembered per replica.
+_MAX_POISON = 4096
+_MAX_GRAMMAR_IDS = 4096
 
 
 class ReplicaDown(Exception):
-    """The replica's stream is broken (the message may or may not have been applied)."""
+    """The replica's stream is broken (the message may or may not have been applied).
+    `crashed`: the replica process died after accepting the call (not: unreachable, drained)."""
+
+    def __init__(self, message: str, *, crashed: bool = False) -> None:
+        super().__init__(message)
+        self.crashed = crashed
+
+
+def _died(err: BaseException | None) -> bool:
+    """Whether a failed call means the peer process went away mid-call: a transport failure,
+    not a status the service chose to send (maskwire services always attach rich details)."""
+    if not isinstance(err, grpc.aio.AioRpcError):
+        return False
+    if err.code() not in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+    ):
+        return False
+    return not has_status_details(err.trailing_metadata())
 
 
 @dataclass(eq=False)
@@ -48,6 +82,15 @@ class GrammarRequest:
     replica: Replica | None = None
     stream_id: int = -1  # the replica stream it was opened on
     closed: bool = False
+    # True from an Open until the replica answers the request's first step.
+    fresh: bool = False
+    # Replicas that died holding this request's compile, Open or first step.
+    crashed: list[str] = field(default_factory=list)
+
+    @functools.cached_property
+    def key(self) -> str:
+        """Identity of the constraint (what the poison memory and grammar ids are keyed by)."""
+        return hashlib.sha256(self.constraint.SerializeToString(deterministic=True)).hexdigest()
 
 
 @dataclass
@@ -61,6 +104,15 @@ class RowOutcome:
     finished: bool = False
     error: str = ""
     code: grpc.StatusCode = grpc.StatusCode.OK
+    reason: str = ""  # google.rpc.ErrorInfo reason of the error
+
+    @classmethod
+    def failed(cls, err: RpcError) -> RowOutcome:
+        return cls(ok=False, error=err.message, code=err.code, reason=err.reason)
+
+    def status(self) -> RpcError:
+        """The error as a gRPC status (for a request that has not streamed anything yet)."""
+        return RpcError(self.code, self.error, reason=self.reason)
 
 
 class Replica:
@@ -76,6 +128,10 @@ class Replica:
         # spreads over the replicas instead of all landing on the one that looked idle.
         self.opening = 0
         self.stream_id = 0  # 0: no stream
+        # Whether the current stream's call was accepted by the service (it sent its headers).
+        self.connected = False
+        # Constraint key -> grammar_id compiled on this replica (its compile cache holds them).
+        self.grammar_ids: OrderedDict[str, str] = OrderedDict()
         self._channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
         self._pending: deque[asyncio.Future[grammar_pb2.SessionResponse]] = deque()
@@ -96,19 +152,58 @@ class Replica:
         """Whether `req` still lives on this replica's current stream."""
         return req.replica is self and req.stream_id == self.stream_id and self._call is not None
 
+    def _stub(self) -> grammar_pb2_grpc.GrammarServiceStub:
+        if self._channel is None:
+            self._channel = make_channel(self.address, self.tls, channel_options())
+        return grammar_pb2_grpc.GrammarServiceStub(self._channel)
+
     def _ensure_stream(self) -> None:
         if self._call is not None:
             return
-        if self._channel is None:
-            self._channel = make_channel(self.address, self.tls, channel_options())
-        stub = grammar_pb2_grpc.GrammarServiceStub(self._channel)
-        self._call = stub.Session()
+        self._call = self._stub().Session()
         self.stream_id = next(self._stream_ids)
+        self.connected = False
         self._reader = asyncio.create_task(self._read(self._call), name=f"grammar-{self.address}")
+
+    async def compile(
+        self, req: GrammarRequest, fingerprint: common_pb2.TokenizerFingerprint, timeout_s: float
+    ) -> str:
+        """Compile `req`'s constraint here (unary `Compile`, beside the stream) and return its
+        grammar_id. Raises RpcError (the service refused it) or ReplicaDown."""
+        known = self.grammar_ids.get(req.key)
+        if known is not None:
+            self.grammar_ids.move_to_end(req.key)
+            return known
+        if self._closed:
+            raise ReplicaDown(f"grammar replica {self.address}: client closed")
+        try:
+            call = self._stub().Compile(
+                grammar_pb2.CompileRequest(constraint=req.constraint, tokenizer=fingerprint),
+                timeout=timeout_s,
+            )
+        except Exception as e:  # channel creation failed (e.g. an unparsable address)
+            self._down_until = time.monotonic() + _BACKOFF_S[1]
+            raise ReplicaDown(f"grammar replica {self.address}: {e}") from None
+        accepted = False
+        try:
+            accepted = _accepted(await call.initial_metadata())
+            resp = await call
+        except grpc.aio.AioRpcError as e:
+            if has_status_details(e.trailing_metadata()):
+                raise RpcError.from_call_error(e) from None  # the service refused it
+            raise ReplicaDown(
+                f"grammar replica {self.address}: {e.details()}", crashed=accepted and _died(e)
+            ) from None
+        self.grammar_ids[req.key] = resp.grammar_id
+        while len(self.grammar_ids) > _MAX_GRAMMAR_IDS:
+            self.grammar_ids.popitem(last=False)
+        return str(resp.grammar_id)
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         err: BaseException | None = None
         try:
+            if _accepted(await call.initial_metadata()) and call is self._call:
+                self.connected = True
             async for resp in call:
                 if not self._pending:
                     err = RuntimeError("grammar service answered a message that was never sent")
@@ -117,6 +212,8 @@ class Replica:
                 if not fut.done():
                     fut.set_result(resp)
                 self._failures = 0
+                if call is self._call:
+                    self.connected = True
         except asyncio.CancelledError:
             err = ReplicaDown("stream closed")
         except grpc.aio.AioRpcError as e:
@@ -130,22 +227,30 @@ class Replica:
         if call is None:
             return
         self._call = None
+        crashed = self.connected and _died(err)
+        if crashed:
+            held = self.opening > 0 or any(r.fresh for r in self.requests)
+            GRAMMAR_REPLICA_DEATHS.labels("true" if held else "false").inc()
         self._failures += 1
         self._down_until = time.monotonic() + min(
             _BACKOFF_S[0] * 2 ** (self._failures - 1), _BACKOFF_S[1]
         )
         detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
         log.warning(
-            "grammar replica %s lost (%s); %d requests to re-open",
+            "grammar replica %s %s (%s); %d requests to re-open",
             self.address,
+            "died" if crashed else "lost",
             detail,
             len(self.requests),
         )
         self.requests.clear()
+        self.grammar_ids.clear()  # a dead replica comes back with an empty compile cache
         pending, self._pending = self._pending, deque()
         for fut in pending:
             if not fut.done():
-                fut.set_exception(ReplicaDown(f"grammar replica {self.address}: {detail}"))
+                fut.set_exception(
+                    ReplicaDown(f"grammar replica {self.address}: {detail}", crashed=crashed)
+                )
         call.cancel()
 
     async def send(
@@ -194,6 +299,31 @@ def _consume_exception(fut: asyncio.Future[grammar_pb2.SessionResponse]) -> None
         fut.exception()
 
 
+def _row_failure(row: grammar_pb2.RowResult, req: GrammarRequest, new: Sequence[int]) -> RowOutcome:
+    """The outcome of a row the service answered with an error: its own status (a grammar that
+    rejects a token or passes the parser's limits is INVALID_ARGUMENT, not a server fault)."""
+    if row.status == grammar_pb2.ROW_STATUS_DESYNC:
+        return RowOutcome(
+            ok=False,
+            error=f"grammar desync: sent position {len(req.consumed) + len(new)}, service "
+            f"expected {row.expected_position}",
+            code=grpc.StatusCode.INTERNAL,
+        )
+    if row.HasField("error"):
+        return RowOutcome.failed(RpcError.from_status(row.error))
+    return RowOutcome(
+        ok=False, error=grammar_pb2.RowStatus.Name(row.status), code=grpc.StatusCode.INTERNAL
+    )
+
+
+def _accepted(metadata: object) -> bool:
+    """Whether a call's initial metadata carries the service's `ACCEPTED_METADATA` header."""
+    if not metadata:
+        return False
+    key, value = ACCEPTED_METADATA[0]
+    return any(k == key and v == value for k, v in metadata)  # type: ignore[attr-defined]
+
+
 class GrammarClient:
     """Places requests on replicas and runs each decode step's grammar round trip."""
 
@@ -207,9 +337,11 @@ class GrammarClient:
         open_timeout_s: float = 30.0,
         tls: ClientTLS | None = None,
         compact_masks: bool = True,
+        poison_after: int = 2,
     ) -> None:
         """`compact_masks` lets replicas answer large steps with compact mask rows (their
-        `--compact-min-rows` decides which steps): fewer bytes on the wire, decoded here."""
+        `--compact-min-rows` decides which steps): fewer bytes on the wire, decoded here.
+        `poison_after`: replica deaths attributed to one request before it fails as poison."""
         self.tls = tls  # TLS/mTLS to every replica (None: plaintext)
         self.replicas = [Replica(a, tls) for a in addresses]
         self.fingerprint = fingerprint
@@ -217,8 +349,11 @@ class GrammarClient:
         self.step_timeout_s = step_timeout_s
         self.open_timeout_s = open_timeout_s
         self.compact_masks = compact_masks
+        self.poison_after = max(1, poison_after)
         self._step_no = itertools.count(1)
         self.replays = 0  # requests re-opened after a replica failure (for metrics/tests)
+        # Constraint key -> the error its requests get (constraints that crashed replicas).
+        self._poison: OrderedDict[str, RpcError] = OrderedDict()
 
     # ---------------------------------------------------------------- replica set
     def update_replicas(self, added: Sequence[str], removed: Sequence[str]) -> None:
@@ -243,36 +378,29 @@ class GrammarClient:
         """Open `req` on the least-loaded replica (replaying `req.consumed`); returns warnings.
 
         Raises RpcError: the service's own error for a bad constraint (field violations kept),
+        INVALID_ARGUMENT `CONSTRAINT_CRASHED` for a constraint that crashed replicas,
         UNAVAILABLE when no replica answers.
         """
         return await self._open(req, exclude=None)
 
     async def _open(self, req: GrammarRequest, exclude: Replica | None) -> list[str]:
+        self._check_poison(req)
         tried: list[str] = []
         for replica in self._candidates(exclude):
             tried.append(replica.address)
-            msg = grammar_pb2.SessionRequest(
-                open=grammar_pb2.Open(
-                    request_id=req.request_id,
-                    constraint=req.constraint,
-                    tokenizer=self.fingerprint,
-                    options=req.options,
-                    replay_tokens=req.consumed,
-                )
-            )
             replica.opening += 1
             try:
-                fut = await replica.send(msg)
-                resp = await asyncio.wait_for(fut, self.open_timeout_s)
+                opened = await self._open_on(replica, req)
             except ReplicaDown as e:
                 log.info("open %s on %s failed: %s", req.request_id, replica.address, e)
+                if e.crashed:
+                    self._strike(req, replica)  # raises once the request is poison
                 continue
             except TimeoutError:
                 replica.mark_broken(TimeoutError(f"no answer to Open in {self.open_timeout_s}s"))
                 continue
             finally:
                 replica.opening -= 1
-            opened = resp.opened
             if opened.HasField("error"):
                 raise RpcError.from_status(opened.error)
             if opened.position != len(req.consumed):
@@ -283,6 +411,7 @@ class GrammarClient:
             req.replica = replica
             req.stream_id = replica.stream_id
             req.closed = False
+            req.fresh = True
             replica.requests.add(req)
             return list(opened.warnings)
         raise RpcError(
@@ -292,6 +421,67 @@ class GrammarClient:
             + "); constrained requests cannot run until one is back",
             reason="GRAMMAR_SERVICE_UNAVAILABLE",
         )
+
+    async def _open_on(self, replica: Replica, req: GrammarRequest) -> grammar_pb2.Opened:
+        """Compile (unless this replica has the grammar already), then Open by grammar_id; once
+        more with a fresh compile if the replica's cache lost the grammar in between."""
+        for attempt in (1, 2):
+            grammar_id = await replica.compile(req, self.fingerprint, self.open_timeout_s)
+            msg = grammar_pb2.SessionRequest(
+                open=grammar_pb2.Open(
+                    request_id=req.request_id,
+                    grammar_id=grammar_id,
+                    tokenizer=self.fingerprint,
+                    options=req.options,
+                    replay_tokens=req.consumed,
+                )
+            )
+            fut = await replica.send(msg)
+            opened = (await asyncio.wait_for(fut, self.open_timeout_s)).opened
+            if (
+                attempt == 1
+                and opened.HasField("error")
+                and RpcError.from_status(opened.error).reason == "GRAMMAR_NOT_FOUND"
+            ):
+                replica.grammar_ids.pop(req.key, None)  # evicted there: compile it again
+                continue
+            return opened
+        raise AssertionError("unreachable")
+
+    # ---------------------------------------------------------------- query of death
+    def _check_poison(self, req: GrammarRequest) -> None:
+        err = self._poison.get(req.key)
+        if err is not None:
+            POISON_REQUESTS.inc()
+            raise err
+
+    def _strike(self, req: GrammarRequest, replica: Replica) -> None:
+        """`replica` died holding `req`'s compile, Open or first step. Raises the request's
+        final error once that has happened `poison_after` times."""
+        req.crashed.append(replica.address)
+        log.error(
+            "grammar replica %s died holding request %s (its compile, Open or first step; "
+            "strike %d of %d)",
+            replica.address,
+            req.request_id,
+            len(req.crashed),
+            self.poison_after,
+        )
+        if len(req.crashed) < self.poison_after:
+            return
+        err = RpcError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"constraint crashed the grammar service: {len(req.crashed)} replicas died while "
+            f"compiling it or taking its first step ({', '.join(req.crashed)}); it will not be "
+            "sent again",
+            [("constraint", "crashed the grammar service")],
+            reason="CONSTRAINT_CRASHED",
+        )
+        self._poison[req.key] = err
+        while len(self._poison) > _MAX_POISON:
+            self._poison.popitem(last=False)
+        POISON_REQUESTS.inc()
+        raise err
 
     def close(self, req: GrammarRequest) -> None:
         """Free the request's grammar state (fire and forget)."""
@@ -327,7 +517,7 @@ class GrammarClient:
                         req, exclude=old if old is not None and not old.is_current(req) else None
                     )
                 except RpcError as e:
-                    outcomes[i] = RowOutcome(ok=False, error=e.message, code=e.code)
+                    outcomes[i] = RowOutcome.failed(e)
                     continue
                 self.replays += 1
                 GRAMMAR_REPLAYS.inc()
@@ -398,16 +588,8 @@ class GrammarClient:
         try:
             fut = await replica.send(msg)
             resp = await asyncio.wait_for(fut, self.step_timeout_s)
-        except ReplicaDown:
-            if allow_retry:
-                return idx
-            for i in idx:
-                outcomes[i] = RowOutcome(
-                    ok=False,
-                    error=f"grammar replica {replica.address} failed again after a re-open",
-                    code=grpc.StatusCode.UNAVAILABLE,
-                )
-            return []
+        except ReplicaDown as e:
+            return self._lost(replica, e, entries, idx, outcomes, allow_retry)
         except TimeoutError:
             msg_text = (
                 f"grammar service {replica.address} did not answer step {step_no} within "
@@ -448,6 +630,7 @@ class GrammarClient:
                     offset += n
                 req.consumed.extend(new)
                 req.consumed.extend(row.ff_tokens)
+                req.fresh = False
                 outcomes[i] = RowOutcome(
                     ok=True,
                     mask=mask,
@@ -477,14 +660,37 @@ class GrammarClient:
                 await replica.send(close)
                 retry.append(i)
             else:
-                text = (
-                    row.error.message
-                    if row.HasField("error")
-                    else grammar_pb2.RowStatus.Name(row.status)
+                outcomes[i] = _row_failure(row, req, new)
+        return retry
+
+    def _lost(
+        self,
+        replica: Replica,
+        err: ReplicaDown,
+        entries: Sequence[tuple[GrammarRequest, Sequence[int]]],
+        idx: list[int],
+        outcomes: list[RowOutcome | None],
+        allow_retry: bool,
+    ) -> list[int]:
+        """`replica` broke while holding these rows: strike the requests in their first step
+        (when it died), fail the poisoned ones, return the rest for a re-open."""
+        retry = []
+        for i in idx:
+            req = entries[i][0]
+            try:
+                if err.crashed and req.fresh:
+                    self._strike(req, replica)
+            except RpcError as poison:
+                outcomes[i] = RowOutcome.failed(poison)
+                continue
+            if allow_retry:
+                retry.append(i)
+            else:
+                outcomes[i] = RowOutcome(
+                    ok=False,
+                    error=f"grammar replica {replica.address} failed again after a re-open",
+                    code=grpc.StatusCode.UNAVAILABLE,
                 )
-                if row.status == grammar_pb2.ROW_STATUS_DESYNC:
-                    text = f"grammar desync: sent position {len(req.consumed) + len(new)}, service expected {row.expected_position}"
-                outcomes[i] = RowOutcome(ok=False, error=text, code=grpc.StatusCode.INTERNAL)
         return retry
 
     async def aclose(self) -> None:

@@ -53,6 +53,16 @@ GRAMMAR_REPLAYS = prom.Counter(
     "maskwire_worker_grammar_replays_total",
     "Requests re-opened on another grammar replica after a failure",
 )
+GRAMMAR_REPLICA_DEATHS = prom.Counter(
+    "maskwire_worker_grammar_replica_deaths_total",
+    "Grammar replica processes that died under this worker; `attributed`: whether the death "
+    "happened while the replica held a request's Open or first step (the request id is logged)",
+    ["attributed"],
+)
+POISON_REQUESTS = prom.Counter(
+    "maskwire_worker_poison_requests_total",
+    "Requests failed because their constraint crashed grammar replicas (it is never sent again)",
+)
 
 
 @dataclass

@@ -6,7 +6,8 @@ import pytest
 
 from grammar_service.backend import LlgBackend
 from grammar_service.compile_cache import CompileCache
-from grammar_service.compiler import Compiler, ParserLimits
+from grammar_service.compile_pool import Compiler
+from grammar_service.compiler import ParserLimits
 from grammar_service.runtime import Limits, Runtime
 from grammar_service.session import Session
 from maskwire.tokenizer import Tokenizer, load_tokenizer

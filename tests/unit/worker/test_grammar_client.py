@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from maskwire.rpc import RpcError, status_proto
+from maskwire.rpc import ACCEPTED_METADATA, RpcError
 from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc
 from neuron_worker.grammar_client import GrammarClient, GrammarRequest
 
@@ -21,29 +21,39 @@ FP = common_pb2.TokenizerFingerprint(vocab_size=64, tokens_sha256=b"x", eos_toke
 
 class FakeGrammar(grammar_pb2_grpc.GrammarServiceServicer):
     """Tracks positions like the real service. Mask row = [position, -1]; a request whose regex
-    is "ff" gets ff_tokens [7, 8] on every step; "bad" fails to open."""
+    is "ff" gets ff_tokens [7, 8] on every step; "bad" fails to compile. The grammar_id of a
+    regex is "g:" + the regex."""
 
     def __init__(self) -> None:
         self.opens: list[tuple[str, list[int]]] = []
+        self.compiles: list[str] = []
         self.stall = False
         self.truncate_masks = False
         self.desync_once: set[str] = set()
 
+    async def Compile(
+        self, request: grammar_pb2.CompileRequest, context: grpc.aio.ServicerContext
+    ) -> grammar_pb2.CompileResponse:
+        await context.send_initial_metadata(ACCEPTED_METADATA)
+        self.compiles.append(request.constraint.regex)
+        if request.constraint.regex == "bad":
+            await RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, "bad regex", [("constraint.regex", "no")]
+            ).abort(context)
+        return grammar_pb2.CompileResponse(grammar_id="g:" + request.constraint.regex)
+
     async def Session(
-        self, request_iterator: AsyncIterator[grammar_pb2.SessionRequest], context: object
+        self,
+        request_iterator: AsyncIterator[grammar_pb2.SessionRequest],
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[grammar_pb2.SessionResponse]:
+        await context.send_initial_metadata(ACCEPTED_METADATA)
         live: dict[str, tuple[int, str]] = {}
         async for msg in request_iterator:
             kind = msg.WhichOneof("kind")
             if kind == "open":
                 o = msg.open
-                if o.constraint.regex == "bad":
-                    err = status_proto(
-                        grpc.StatusCode.INVALID_ARGUMENT, "bad regex", [("constraint.regex", "no")]
-                    )
-                    yield grammar_pb2.SessionResponse(opened=grammar_pb2.Opened(error=err))
-                    continue
-                live[o.request_id] = (len(o.replay_tokens), o.constraint.regex)
+                live[o.request_id] = (len(o.replay_tokens), o.grammar_id.removeprefix("g:"))
                 self.opens.append((o.request_id, list(o.replay_tokens)))
                 yield grammar_pb2.SessionResponse(
                     opened=grammar_pb2.Opened(

@@ -1,0 +1,202 @@
+"""`Compiler`: runs the compile stages of `grammar_service.compiler` off the event loop, safely.
+
+    size check -> poison check -> translate + bounds (thread) -> verify (sandbox child, or a
+    thread with --no-compile-sandbox) -> build the template matcher (thread, journaled)
+
+One deadline covers the whole compile, queueing included. A constraint whose compile kills a
+sandbox child, or this process, is remembered in the `PoisonList` and refused from then on with
+`INVALID_ARGUMENT` (reason `CONSTRAINT_CRASHED`). The threads run with the large stack that
+`use_large_thread_stacks` sets, so a deep grammar that the bounds let through does not overflow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from grammar_service import metrics
+from grammar_service.bounds import ConstraintBounds
+from grammar_service.compiler import (
+    CompiledGrammar,
+    ParserLimits,
+    build_template,
+    constraint_kind,
+    constraint_size,
+    error_field,
+    grammar_key,
+    to_grammar,
+    verify,
+)
+from grammar_service.poison import PoisonList
+from grammar_service.sandbox import Sandbox, SandboxCrashed, SandboxUnavailable
+from maskwire.rpc import RpcError
+from maskwire.tokenizer import Tokenizer
+from maskwire.v1 import common_pb2
+
+T = TypeVar("T")
+
+
+def use_large_thread_stacks(stack_mb: int) -> None:
+    """Threads started from now on get `stack_mb` of stack (llguidance recurses natively over a
+    grammar's structure; the default 8 MB holds about a thousand levels)."""
+    threading.stack_size(stack_mb << 20)
+
+
+def crashed_error(kind: str, why: str) -> RpcError:
+    field = error_field(kind)
+    return RpcError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"constraint crashed the grammar service: {why}; it is refused from now on",
+        [(field, "compiling this constraint crashed a grammar-service process")],
+        reason="CONSTRAINT_CRASHED",
+    )
+
+
+class Compiler:
+    """Compiles constraints with a per-compile deadline, a size limit and crash isolation."""
+
+    def __init__(
+        self,
+        *,
+        limits: ParserLimits,
+        bounds: ConstraintBounds = ConstraintBounds(),  # noqa: B008 (frozen, immutable)
+        threads: int = 2,
+        timeout_s: float = 10.0,
+        max_schema_bytes: int = 1 << 20,
+        sandbox: Sandbox | None = None,
+        poison: PoisonList | None = None,
+    ) -> None:
+        """`sandbox` None verifies in this process (tests, `--no-compile-sandbox`)."""
+        self.limits = limits
+        self.bounds = bounds
+        self.timeout_s = timeout_s
+        self.max_schema_bytes = max_schema_bytes
+        self.sandbox = sandbox
+        self.poison = poison if poison is not None else PoisonList(None)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, threads), thread_name_prefix="compile"
+        )
+        self._tokenizer_index: dict[int, int] = {}
+
+    def start(self, tokenizers: list[Tokenizer]) -> None:
+        """Start the sandbox's children for these tokenizers (in the order the sandbox got)."""
+        self._tokenizer_index = {id(t): i for i, t in enumerate(tokenizers)}
+        if self.sandbox is not None:
+            self.sandbox.start()
+
+    def check_size(self, constraint: common_pb2.Constraint) -> None:
+        size = constraint_size(constraint)
+        if size > self.max_schema_bytes:
+            kind = constraint.WhichOneof("kind") or "constraint"
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"constraint is {size} bytes; this service accepts at most {self.max_schema_bytes}",
+                [
+                    (
+                        error_field(kind),
+                        f"{size} bytes exceeds the limit of {self.max_schema_bytes}",
+                    )
+                ],
+                reason="CONSTRAINT_TOO_LARGE",
+            )
+
+    def check_poison(self, constraint: common_pb2.Constraint, key: str) -> None:
+        why = self.poison.reason(key)
+        if why is not None:
+            metrics.POISON_REQUESTS.inc()
+            raise crashed_error(constraint.WhichOneof("kind") or "", why)
+
+    async def compile(
+        self, constraint: common_pb2.Constraint, tokenizer: Tokenizer, grammar_id: str = ""
+    ) -> CompiledGrammar:
+        """Compile off the event loop. Raises RpcError: INVALID_ARGUMENT for a bad, too complex
+        or poisoned constraint, DEADLINE_EXCEEDED after `timeout_s`, UNAVAILABLE when the
+        sandbox cannot run."""
+        self.check_size(constraint)
+        key = grammar_id or grammar_key(constraint, tokenizer)
+        self.check_poison(constraint, key)
+        kind = constraint_kind(constraint)
+        field = error_field(kind)
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            grammar = await self._in_thread(
+                deadline, to_grammar, constraint, tokenizer, self.bounds
+            )
+            if self.sandbox is None:
+                checked = await self._in_thread(
+                    deadline, verify, grammar, tokenizer, self.limits, field
+                )
+                template, warnings = checked.matcher, checked.warnings
+            else:
+                warnings = await self.sandbox.verify(
+                    grammar, self._tokenizer_index.get(id(tokenizer), 0), field, deadline=deadline
+                )
+                template = await self._in_thread(
+                    deadline, self._build, key, grammar, tokenizer, field
+                )
+        except SandboxCrashed as e:
+            why = f"compiling it crashed a compile worker ({e})"
+            self.poison.add(key, why)
+            raise crashed_error(kind, why) from None
+        except SandboxUnavailable as e:
+            raise RpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"cannot compile now: {e}",
+                reason="COMPILE_SANDBOX_UNAVAILABLE",
+            ) from None
+        except TimeoutError:
+            raise RpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"compiling the constraint took longer than {self.timeout_s:g}s "
+                "(--compile-timeout-s)",
+                [(field, "grammar too complex to compile in time")],
+                reason="COMPILE_TIMEOUT",
+            ) from None
+        except RpcError:
+            raise
+        except RecursionError:
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"invalid {field}: nested too deeply",
+                [(field, "nested too deeply")],
+                reason="CONSTRAINT_TOO_COMPLEX",
+            ) from None
+        except Exception as e:  # never let a library failure become a stack trace on the wire
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"cannot compile the constraint: {e}",
+                [(field, str(e))],
+                reason="INVALID_CONSTRAINT",
+            ) from None
+        assert template is not None
+        return CompiledGrammar(
+            grammar_id=key,
+            grammar=grammar,
+            tokenizer=tokenizer,
+            warnings=warnings,
+            template=template,
+            compile_ms=(time.perf_counter() - t0) * 1000.0,
+        )
+
+    def _build(self, key: str, grammar: str, tokenizer: Tokenizer, field: str) -> Any:
+        with self.poison.journal(key):
+            return build_template(grammar, tokenizer, self.limits, field)
+
+    async def _in_thread(self, deadline: float, fn: Callable[..., T], *args: object) -> T:
+        # The thread cannot be interrupted: past the deadline it finishes in the background and
+        # its result is dropped (the pool size bounds how many can pile up). The stages run here
+        # are the cheap ones, or ones the sandbox has already seen finish in time.
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.wait_for(fut, max(deadline - time.monotonic(), 0.0))
+
+    def shutdown(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
