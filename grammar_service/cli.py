@@ -108,6 +108,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "use; llguidance's own default is 80%% of them)",
     )
     p.add_argument("--max-rows-per-step", type=int, default=4096, help="rows in one Step")
+    p.add_argument(
+        "--max-request-step-ms",
+        type=float,
+        default=20.0,
+        help="CPU time one request's grammar work may take in one step; past it the request "
+        "fails (GRAMMAR_TOO_EXPENSIVE) so the others on its stream keep their step times",
+    )
+    p.add_argument(
+        "--max-replay-ms",
+        type=float,
+        default=2000.0,
+        help="CPU time replaying one request's tokens (Open.replay_tokens) may take",
+    )
     p.add_argument("--max-drafts-per-row", type=int, default=64, help="draft tokens per row")
     p.add_argument(
         "--compact-min-rows",

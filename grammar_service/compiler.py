@@ -321,15 +321,21 @@ def _rejected(field: str, detail: str) -> RpcError:
     )
 
 
-# A test hook (never set in production): `MASKWIRE_TESTING_CRASH=sandbox:TEXT` or `service:TEXT`
-# makes that process abort while compiling a grammar that contains TEXT, so the crash defences
-# can be tested without depending on whichever input crashes llguidance today.
-TESTING_CRASH_ENV = "MASKWIRE_TESTING_CRASH"
+# A test hook (never set in production): `MASKWIRE_TESTING_FAULT=WHERE:ACTION:TEXT`, WHERE one of
+# `sandbox` (a compile-sandbox child) or `service` (the service process), ACTION `abort` or
+# `hang`: that process aborts or hangs while compiling a grammar that contains TEXT, so the crash
+# and runaway defences can be tested without depending on whichever input breaks llguidance today.
+TESTING_FAULT_ENV = "MASKWIRE_TESTING_FAULT"
 
 
-def testing_crash_point(where: str, grammar: str) -> None:
-    spec = os.environ.get(TESTING_CRASH_ENV, "")
-    if spec.startswith(where + ":") and spec[len(where) + 1 :] in grammar:
+def testing_fault_point(where: str, grammar: str) -> None:
+    spec = os.environ.get(TESTING_FAULT_ENV, "")
+    if not spec:
+        return
+    at, action, text = [*spec.split(":", 2), "", ""][:3]
+    if at == where and text and text in grammar:
+        if action == "hang":
+            time.sleep(3600)
         os.abort()
 
 
@@ -345,7 +351,7 @@ def verify(grammar: str, tokenizer: Tokenizer, limits: ParserLimits, field: str)
     """Run the grammar compiler on `grammar` the way serving will: validate it, build a matcher
     and compute its first mask and forced tokens, so that a grammar past the parser's limits is
     refused now with INVALID_ARGUMENT instead of failing its first request step."""
-    testing_crash_point("sandbox", grammar)
+    testing_fault_point("sandbox", grammar)
     ll_limits = limits.to_ll()
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         grammar, tokenizer.ll, limits=ll_limits
@@ -364,7 +370,7 @@ def verify(grammar: str, tokenizer: Tokenizer, limits: ParserLimits, field: str)
 
 def build_template(grammar: str, tokenizer: Tokenizer, limits: ParserLimits, field: str) -> Any:
     """The service's template matcher for a grammar that `verify` accepted (in the sandbox)."""
-    testing_crash_point("service", grammar)
+    testing_fault_point("service", grammar)
     template = llguidance.LLMatcher(tokenizer.ll, grammar, log_level=0, limits=limits.to_ll())
     if template.is_error():
         raise _rejected(field, clean_error(template.get_error()))

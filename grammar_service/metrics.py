@@ -48,3 +48,7 @@ SANDBOX_KILLS = Counter(
 SANDBOX_WORKERS = Gauge(
     "maskwire_grammar_sandbox_workers", "Compile-sandbox children ready to take a job."
 )
+BUDGET_KILLS = Counter(
+    "maskwire_grammar_budget_kills_total",
+    "Requests failed because their grammar work in one step passed --max-request-step-ms.",
+)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -14,11 +17,14 @@ from grammar_service.backend import Backend
 from grammar_service.compile_cache import CompileCache
 from grammar_service.compile_pool import Compiler
 from grammar_service.compiler import CompiledGrammar, grammar_key
+from maskwire.cpus import available_cpus
 from maskwire.rpc import RpcError
 from maskwire.tokenizer import Fingerprint, Tokenizer
 from maskwire.v1 import common_pb2
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,9 @@ class Limits:
     max_drafts_per_row: int = 64
     # Steps with fewer mask rows are answered dense even when the client accepts compact rows.
     compact_min_rows: int = 16
+    # CPU time one request's grammar work may take in one step, and in one replay (seconds).
+    max_request_step_s: float = 0.02
+    max_replay_s: float = 2.0
 
 
 class Runtime:
@@ -51,6 +60,14 @@ class Runtime:
         self.backend = backend
         self.limits = limits
         self.live_requests = 0
+        # Slow steps and long replays run here, off the event loop.
+        self._work = concurrent.futures.ThreadPoolExecutor(
+            max_workers=available_cpus(), thread_name_prefix="session"
+        )
+
+    async def in_thread(self, fn: Callable[..., T], *args: object) -> T:
+        """Run blocking grammar work on a worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._work, fn, *args)
 
     # -- tokenizers -------------------------------------------------------------------------
     def tokenizer_for(

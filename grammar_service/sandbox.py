@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
-import multiprocessing
 import multiprocessing.connection
 import os
 import resource
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -74,15 +77,12 @@ def _describe_exit(code: int | None) -> str:
 
 
 # ------------------------------------------------------------------------------------- the child
-def _child_main(
-    conn: multiprocessing.connection.Connection,
-    specs: list[str],
-    limits: ParserLimits,
-    memory_mb: int,
-    stack_mb: int,
-) -> None:
-    """Entry point of a child: limits, then serve jobs on a large-stack thread until EOF."""
+def child_main(fd: int) -> None:
+    """Entry point of a child (`python -m grammar_service.sandbox FD`): read its settings from
+    the connection on FD, set its limits, serve jobs on a large-stack thread until EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which stops us
+    conn = multiprocessing.connection.Connection(fd)
+    specs, limits, memory_mb, stack_mb = conn.recv()
     if memory_mb > 0:
         cap = memory_mb << 20
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
@@ -121,42 +121,44 @@ def _serve(
 
 # ------------------------------------------------------------------------------------ the parent
 class _Child:
-    """One child process and its pipe. Blocking methods; they run on the sandbox's threads."""
+    """One child process and its connection. Blocking methods; they run on the sandbox's threads."""
 
     def __init__(self, slot: int) -> None:
         self.slot = slot
-        self.proc: Any = None  # multiprocessing.Process (spawn context)
+        self.proc: subprocess.Popen[bytes] | None = None
         self.conn: multiprocessing.connection.Connection | None = None
         self.jobs = 0
 
     def start(self, specs: list[str], limits: ParserLimits, config: SandboxConfig) -> None:
-        """Start a fresh child and wait until it has loaded its tokenizers (raises on failure)."""
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe(duplex=True)
-        proc = ctx.Process(
-            target=_child_main,
-            args=(child, specs, limits, config.memory_mb, config.stack_mb),
-            name=f"maskwire-compile-{self.slot}",
-            daemon=True,
-        )
-        proc.start()
-        child.close()
-        if not parent.poll(_START_TIMEOUT_S):
-            proc.kill()
-            proc.join()
-            raise SandboxUnavailable(f"compile worker did not start in {_START_TIMEOUT_S:g}s")
+        """Start a fresh child and wait until it has loaded its tokenizers (raises on failure).
+        A plain `python -m` child: nothing of this process (threads, its __main__) is copied."""
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "grammar_service.sandbox", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+            conn = multiprocessing.connection.Connection(os.dup(ours.fileno()))
         try:
-            kind, detail = parent.recv()
+            conn.send((specs, limits, config.memory_mb, config.stack_mb))
+            if not conn.poll(_START_TIMEOUT_S):
+                raise SandboxUnavailable(f"compile worker did not start in {_START_TIMEOUT_S:g}s")
+            kind, detail = conn.recv()
+            if kind != "ready":
+                raise SandboxUnavailable(str(detail))
         except (EOFError, OSError):
-            proc.join(5)
-            raise SandboxUnavailable(
-                f"compile worker {_describe_exit(proc.exitcode)} while starting"
-            ) from None
-        if kind != "ready":
+            conn.close()
             proc.kill()
-            proc.join()
-            raise SandboxUnavailable(str(detail))
-        self.proc, self.conn, self.jobs = proc, parent, 0
+            raise SandboxUnavailable(
+                f"compile worker {_describe_exit(proc.wait())} while starting"
+            ) from None
+        except SandboxUnavailable:
+            conn.close()
+            proc.kill()
+            proc.wait()
+            raise
+        self.proc, self.conn, self.jobs = proc, conn, 0
 
     def run(self, grammar: str, index: int, field: str, timeout_s: float) -> tuple[Any, ...]:
         """Verify one grammar. Returns the child's answer, or ("crashed", why) / ("timeout",)
@@ -169,10 +171,12 @@ class _Child:
             if conn.poll(max(timeout_s, 0.0)):
                 return tuple(conn.recv())
         except (EOFError, OSError):
-            proc.join(5)
-            why = _describe_exit(proc.exitcode)
+            try:
+                code: int | None = proc.wait(5)
+            except subprocess.TimeoutExpired:
+                code = None
             self.stop()
-            return ("crashed", why)
+            return ("crashed", _describe_exit(code))
         self.stop()
         return ("timeout",)
 
@@ -181,9 +185,10 @@ class _Child:
             self.conn.close()
             self.conn = None
         if self.proc is not None:
-            if self.proc.is_alive():
+            if self.proc.poll() is None:
                 self.proc.kill()
-            self.proc.join(5)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
             self.proc = None
 
     @property
@@ -363,3 +368,7 @@ class Sandbox:
             raise SandboxCrashed(answer[1])
         metrics.SANDBOX_KILLS.inc()
         raise TimeoutError
+
+
+if __name__ == "__main__":
+    child_main(int(sys.argv[1]))

@@ -89,6 +89,8 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
             max_rows_per_step=args.max_rows_per_step,
             max_drafts_per_row=args.max_drafts_per_row,
             compact_min_rows=args.compact_min_rows,
+            max_request_step_s=args.max_request_step_ms / 1e3,
+            max_replay_s=args.max_replay_ms / 1e3,
         ),
     )
 

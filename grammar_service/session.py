@@ -3,6 +3,13 @@
 Pure: no gRPC here. Every per-request problem becomes data in `Opened.error` / `RowResult`; only
 misuse of this class raises. A stream's requests share one tokenizer (the first `Open` fixes it),
 so every row of a `StepResult` has the same width.
+
+Grammar work has a budget per request (`Limits.max_request_step_s` of CPU time per step,
+`max_replay_s` per replay): an ambiguous grammar can make one request's parser work grow without
+bound, and the steps of every other request on the stream would wait for it. Work done for one
+request alone is timed as it runs; when a step's batched calls take longer than one request's
+budget, the next step is an *audit* step that does every row on its own and times it. A request
+over budget fails at its next step (`GRAMMAR_TOO_EXPENSIVE`); the others go on.
 """
 
 from __future__ import annotations
@@ -27,6 +34,13 @@ DESYNC = grammar_pb2.ROW_STATUS_DESYNC
 ERROR = grammar_pb2.ROW_STATUS_ERROR
 UNKNOWN = grammar_pb2.ROW_STATUS_UNKNOWN_REQUEST
 _STATUS_NAMES = {v: grammar_pb2.RowStatus.Name(v) for v in (OK, DESYNC, ERROR, UNKNOWN)}
+# A stream whose last step took longer than this runs its next one on a worker thread. Fast steps
+# stay on the event loop: the hand-off costs ~25 µs, a third of a typical one-row step.
+OFFLOAD_AFTER_S = 0.002
+# Replays longer than this many tokens run on a worker thread.
+OFFLOAD_REPLAY_TOKENS = 64
+# Tokens consumed per call when a long run (replay, forced tokens) is checked against its budget.
+_CHUNK = 32
 
 
 class Request:
@@ -61,12 +75,18 @@ class Session:
         self.requests: dict[str, Request] = {}
         self.tokenizer: Tokenizer | None = None
         self._buffer: MaskBuffer | None = None
+        self._audit = False  # do the next step row by row, timing each request
+        self.last_step_s = 0.0  # wall time of the last step (the servicer offloads slow ones)
 
     # -- dispatch ---------------------------------------------------------------------------
     async def handle(self, msg: grammar_pb2.SessionRequest) -> grammar_pb2.SessionResponse:
         kind = msg.WhichOneof("kind")
         if kind == "step":
-            return grammar_pb2.SessionResponse(step_result=self.step(msg.step))
+            if self.last_step_s < OFFLOAD_AFTER_S:
+                result = self.step(msg.step)
+            else:  # slow steps leave the event loop free for health checks and other streams
+                result = await self.runtime.in_thread(self.step, msg.step)
+            return grammar_pb2.SessionResponse(step_result=result)
         if kind == "open":
             return grammar_pb2.SessionResponse(opened=await self.open(msg.open))
         if kind == "close":
@@ -154,7 +174,9 @@ class Session:
                 ReasoningGate(marker) if marker else None,
             )
             replay = list(msg.replay_tokens)
-            if replay:
+            if len(replay) > OFFLOAD_REPLAY_TOKENS:
+                await rt.in_thread(self._replay, req, replay, tok)
+            elif replay:
                 self._replay(req, replay, tok)
         except BaseException:
             rt.release_requests(1)
@@ -177,7 +199,17 @@ class Session:
                 )
         skip = req.gate.feed(tokens, tok.token_bytes) if req.gate is not None else 0
         rest = tokens[skip:]
-        if rest and not req.grammar.consume(rest):
+        budget = self.runtime.limits.max_replay_s
+        ok, spent = _consume_within(req.grammar, rest, budget)
+        if not ok and spent > budget:
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"replaying {len(rest)} tokens took more than {budget:g}s of grammar work "
+                "(--max-replay-ms): the grammar is too expensive",
+                [("open.replay_tokens", "grammar too expensive to replay")],
+                reason="GRAMMAR_TOO_EXPENSIVE",
+            )
+        if not ok:
             raise RpcError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"replay tokens rejected by the grammar: {req.grammar.error()}",
@@ -229,6 +261,11 @@ class Session:
         requests = self.requests
         backend = self.runtime.backend
         max_drafts = self.runtime.limits.max_drafts_per_row
+        budget = self.runtime.limits.max_request_step_s
+        audit = self._audit
+        # CPU seconds of grammar work per row, for the work done for that row alone.
+        spent = [0.0] * n
+        batched_s = 0.0  # wall time of the calls that do many rows at once
 
         # Phase 1: check every row, feed reasoning gates, collect grammar tokens.
         # state[i]: the Request when the row is OK so far, else None (result already decided).
@@ -291,15 +328,26 @@ class Session:
                 singles.append((req.grammar, new[0]))
                 single_idx.append(i)
                 continue
-            if not req.grammar.consume(new):
-                self._kill_by_grammar(req)
+            ok, spent[i] = _consume_within(req.grammar, new, budget)
+            if not ok:
+                self._kill_consumer(req, spent[i], budget)
                 status[i] = ERROR
                 errors[i] = req.dead
                 state[i] = None
 
-        # Phase 2: the common case, one new token per row, in one batched call.
+        # Phase 2: the common case, one new token per row, in one batched call (row by row,
+        # timed, in an audit step).
         if singles:
-            oks = backend.consume_each(singles)
+            if audit:
+                oks = []
+                for j, pair in enumerate(singles):
+                    t0 = time.thread_time()
+                    oks += backend.consume_each([pair])
+                    spent[single_idx[j]] += time.thread_time() - t0
+            else:
+                t0 = time.perf_counter()
+                oks = backend.consume_each(singles)
+                batched_s += time.perf_counter() - t0
             for j, ok in enumerate(oks):
                 if not ok:
                     i = single_idx[j]
@@ -329,10 +377,14 @@ class Session:
                 continue
             g = req.grammar
             if req.jump_forward:
+                t0 = time.thread_time()
                 forced = g.ff_tokens()
+                spent[i] += time.thread_time() - t0
                 if forced:
-                    if not g.consume(forced):
-                        self._kill_by_grammar(req)
+                    ok, dt = _consume_within(g, forced, budget)
+                    spent[i] += dt
+                    if not ok:
+                        self._kill_consumer(req, spent[i], budget)
                         status[i] = ERROR
                         errors[i] = req.dead
                         state[i] = None
@@ -342,7 +394,9 @@ class Session:
             if i in drafts_of:
                 d = drafts_of[i]
                 cut = next((j for j, t in enumerate(d) if not 0 <= t < vocab), len(d))
+                t0 = time.thread_time()
                 a = g.validate_drafts(d[:cut]) if cut else 0
+                spent[i] += time.thread_time() - t0
                 accepted[i] = a
                 if a:
                     slots[i] = cursor
@@ -358,7 +412,13 @@ class Session:
         if cursor:
             buf.reserve(cursor)
             t_fill = time.perf_counter()
-            backend.fill(plain, drafted, buf.ptr, buf.one_mask_bytes, buf.capacity)
+            if audit:
+                self._fill_each(
+                    plain, drafted, buf, spent, slot_row={s: i for i, s in enumerate(slots)}
+                )
+            else:
+                backend.fill(plain, drafted, buf.ptr, buf.one_mask_bytes, buf.capacity)
+                batched_s += time.perf_counter() - t_fill
             metrics.MASK_SECONDS_PER_ROW.observe((time.perf_counter() - t_fill) / cursor)
             if msg.compact_masks and cursor >= self.runtime.limits.compact_min_rows:
                 c = encode_rows(buf.rows(cursor), vocab)
@@ -416,9 +476,64 @@ class Session:
                     position=real_req.position if real_req is not None else 0,
                     error=errors[i],
                 )
+        self._enforce_budget(state, spent, budget, audit, batched_s)
         metrics.ROWS_PER_STEP.observe(n)
-        metrics.STEP_SECONDS.observe(time.perf_counter() - t_start)
+        self.last_step_s = time.perf_counter() - t_start
+        metrics.STEP_SECONDS.observe(self.last_step_s)
         return out
+
+    def _fill_each(
+        self,
+        plain: list[tuple[RequestGrammar, int]],
+        drafted: list[tuple[RequestGrammar, int, list[int]]],
+        buf: MaskBuffer,
+        spent: list[float],
+        slot_row: dict[int, int],
+    ) -> None:
+        """An audit step's mask fill: one call per request, each timed against its row."""
+        backend = self.runtime.backend
+        for g, slot in plain:
+            t0 = time.thread_time()
+            backend.fill([(g, slot)], [], buf.ptr, buf.one_mask_bytes, buf.capacity)
+            spent[slot_row[slot]] += time.thread_time() - t0
+        for g, slot, d in drafted:
+            t0 = time.thread_time()
+            backend.fill([], [(g, slot, d)], buf.ptr, buf.one_mask_bytes, buf.capacity)
+            spent[slot_row[slot]] += time.thread_time() - t0
+
+    def _enforce_budget(
+        self,
+        state: list[Request | None],
+        spent: list[float],
+        budget: float,
+        audit: bool,
+        batched_s: float,
+    ) -> None:
+        """Fail (from their next step) the requests whose work passed the budget; audit the next
+        step when batched work was too slow to tell whose it was."""
+        over = False
+        for i, req in enumerate(state):
+            if req is not None and spent[i] > budget:
+                over = True
+                self._kill_expensive(req, spent[i], budget)
+        self._audit = (not audit and batched_s > budget) or (audit and over)
+
+    def _kill_consumer(self, req: Request, spent: float, budget: float) -> None:
+        """A run of tokens was not consumed: rejected by the grammar, or cut at the budget."""
+        if spent > budget:
+            self._kill_expensive(req, spent, budget)
+        else:
+            self._kill_by_grammar(req)
+
+    def _kill_expensive(self, req: Request, spent: float, budget: float) -> None:
+        metrics.BUDGET_KILLS.inc()
+        self._kill(
+            req,
+            f"the grammar took {spent * 1e3:.0f} ms of work in one step for this request "
+            f"(limit {budget * 1e3:g} ms, --max-request-step-ms): it is too ambiguous or too "
+            "expensive to follow",
+            "GRAMMAR_TOO_EXPENSIVE",
+        )
 
     def _reasoning_drafts(self, req: Request, drafts: list[int], tok: Tokenizer) -> int:
         """Unconstrained drafts are all acceptable, up to (not including) the one that would end
@@ -435,6 +550,22 @@ class Session:
     def _kill_by_grammar(self, req: Request) -> None:
         err = req.grammar.error() or "the grammar rejected the token"
         req.dead = _row_error(err, "TOKEN_REJECTED")
+
+
+def _consume_within(
+    grammar: RequestGrammar, tokens: list[int], budget_s: float
+) -> tuple[bool, float]:
+    """Consume `tokens` in chunks until done, rejected, or past `budget_s` of this thread's CPU
+    time (llguidance holds the GIL for a whole call: chunks keep each call short). Returns
+    (every token accepted, CPU seconds spent); past the budget the rest is left unconsumed, and
+    the spent time says so."""
+    t0 = time.thread_time()
+    for at in range(0, len(tokens), _CHUNK):
+        if not grammar.consume(tokens[at : at + _CHUNK]):
+            return False, time.thread_time() - t0
+        if time.thread_time() - t0 > budget_s and at + _CHUNK < len(tokens):
+            return False, time.thread_time() - t0
+    return True, time.thread_time() - t0
 
 
 def _unknown(rid: str) -> status_pb2.Status:

@@ -1,6 +1,6 @@
 """Query of death: a constraint that crashes every grammar replica it reaches.
 
-Three real replicas run with the test-only crash hook (`MASKWIRE_TESTING_CRASH=service:MARKER`:
+Three real replicas run with the test-only fault hook (`MASKWIRE_TESTING_FAULT=service:abort:MARKER`:
 the service process aborts while building a matcher for a grammar that contains MARKER, as a
 native crash the sandbox did not foresee would). The worker must stop the crash at the second
 replica, fail that request with `CONSTRAINT_CRASHED`, finish everyone else's requests, keep
@@ -38,7 +38,7 @@ def state_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def replicas(state_root: Path) -> Iterator[list[ServiceProcess]]:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MASKWIRE_TESTING_CRASH", f"service:{MARKER}")
+        mp.setenv("MASKWIRE_TESTING_FAULT", f"service:abort:{MARKER}")
         procs = []
         try:
             for i in range(3):

@@ -451,6 +451,40 @@ def test_load_balancing_and_failover(fake: FakeWorkerServer) -> None:
         assert not [h for h in tc.get("/health").json()["workers"] if h["healthy"]][1:]
 
 
+def test_constraint_that_crashed_the_grammar_tier_is_not_retried(fake: FakeWorkerServer) -> None:
+    crashed = RpcError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "constraint crashed the grammar service: 2 replicas died while compiling it",
+        [("constraint", "crashed the grammar service")],
+        reason="CONSTRAINT_CRASHED",
+    )
+    tier_down = RpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        "no grammar service replica is reachable",
+        reason="GRAMMAR_SERVICE_UNAVAILABLE",
+    )
+    with (
+        FakeWorkerServer() as a,
+        FakeWorkerServer() as b,
+        gateway(workers=[f"{a.address},{b.address}"]) as tc,
+    ):
+        c = sdk(tc)
+        for fw in (a, b):
+            fw.worker.reply = lambda _: Reply(error=crashed)
+        with pytest.raises(openai.BadRequestError) as info:
+            c.chat.completions.create(model=MODEL, messages=USER)
+        assert "constraint crashed the grammar service" in str(info.value)
+        assert len(a.worker.requests) + len(b.worker.requests) == 1  # one worker, once
+
+        # The grammar tier being down moves the request on, but marks no worker down.
+        for fw in (a, b):
+            fw.worker.reply = lambda _: Reply(error=tier_down)
+        with pytest.raises(openai.APIStatusError) as down:
+            c.chat.completions.create(model=MODEL, messages=USER)
+        assert down.value.status_code == 503
+        assert [h["healthy"] for h in tc.get("/health").json()["workers"]] == [True, True]
+
+
 def test_client_disconnect_cancels_the_worker_call(fake: FakeWorkerServer) -> None:
     fake.worker.reply = lambda _: Reply(chunks=["x"] * 200, delay_s=0.05)
     port = free_port()

@@ -71,3 +71,65 @@ async def test_open_requires_a_fingerprint(tok: Tokenizer) -> None:
     msg.ClearField("tokenizer")
     opened = await s.open(msg)
     assert opened.error.code == 3 and "fingerprint" in opened.error.message
+
+
+AMBIGUOUS = 's: s s s | s s | "a" | ""\nstart: s'
+
+
+def lark_open(rid: str, tok: Tokenizer, lark: str, replay: list[int] | None = None) -> grammar_pb2.Open:
+    return grammar_pb2.Open(
+        request_id=rid,
+        constraint=common_pb2.Constraint(lark=lark),
+        tokenizer=tok.fingerprint.to_proto(),
+        replay_tokens=replay or [],
+    )
+
+
+@pytest.mark.parametrize("rows", [3, 12])  # row by row, and through the batched executor calls
+async def test_a_request_past_its_step_budget_fails_and_the_others_go_on(
+    tok: Tokenizer, rows: int
+) -> None:
+    """An ambiguous grammar's parser work grows with every token; past the per-request budget
+    that request fails with GRAMMAR_TOO_EXPENSIVE while a cheap one on the same stream goes on."""
+    rt = runtime(tok, max_requests=32)
+    rt.limits = Limits(max_requests=32, max_request_step_s=0.005)
+    s = Session(rt)
+    a = tok.encode("a")
+    expensive = [f"amb{i}" for i in range(rows - 1)]
+    for rid in expensive:
+        assert not (await s.open(lark_open(rid, tok, AMBIGUOUS))).HasField("error")
+    assert not (await s.open(open_msg("cheap", tok, "a*"))).HasField("error")
+    live = [*expensive, "cheap"]
+    pos = dict.fromkeys(live, 0)
+    failed: dict[str, str] = {}
+    for step in range(1, 400):
+        rs = []
+        for rid in live:
+            pos[rid] += 1
+            rs.append(grammar_pb2.StepRow(request_id=rid, new_tokens=a, position=pos[rid]))
+        res = s.step(grammar_pb2.Step(step=step, rows=rs))
+        for row in res.rows:
+            if row.status != grammar_pb2.ROW_STATUS_OK:
+                failed[row.request_id] = row.error.message
+        live = [rid for rid in live if rid not in failed]
+        if live == ["cheap"]:
+            break
+    assert set(failed) == set(expensive)
+    assert all("--max-request-step-ms" in m for m in failed.values()), failed
+    last = s.step(
+        grammar_pb2.Step(
+            step=999,
+            rows=[grammar_pb2.StepRow(request_id="cheap", new_tokens=a, position=pos["cheap"] + 1)],
+        )
+    )
+    assert last.rows[0].status == grammar_pb2.ROW_STATUS_OK and last.rows[0].accepting
+
+
+async def test_a_replay_past_its_budget_is_refused(tok: Tokenizer) -> None:
+    rt = runtime(tok)
+    rt.limits = Limits(max_replay_s=0.05)
+    s = Session(rt)
+    opened = await s.open(lark_open("r", tok, AMBIGUOUS, tok.encode("a") * 400))
+    assert opened.error.code == 3  # INVALID_ARGUMENT
+    assert "--max-replay-ms" in opened.error.message
+    assert rt.live_requests == 0
