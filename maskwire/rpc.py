@@ -16,6 +16,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
+from maskwire.text import truncate_utf8
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -61,8 +63,20 @@ def status_proto(
     return status_pb2.Status(code=code.value[0], message=message, details=details)
 
 
+# An error's status travels in HTTP/2 headers: the message (percent-encoded) and the details
+# (base64, repeating the message). A client's default limit for all headers is 8 KiB; over it, the
+# real status is replaced by RESOURCE_EXHAUSTED. These bounds keep the worst case near 6.5 KiB.
+_MESSAGE_BYTES = 1024
+_MAX_VIOLATIONS = 4
+_FIELD_BYTES = 128
+_DESCRIPTION_BYTES = 256
+
+
 class RpcError(Exception):
-    """An error that maps to a gRPC status with rich details; raise it from service code."""
+    """An error that maps to a gRPC status with rich details; raise it from service code.
+
+    The message and details are bounded (`maskwire.text.truncate_utf8`) whatever they quote, so
+    the status always fits a client's default header limit and stays valid UTF-8."""
 
     def __init__(
         self,
@@ -71,11 +85,15 @@ class RpcError(Exception):
         violations: Sequence[FieldViolation] = (),
         reason: str = "",
     ) -> None:
+        message = truncate_utf8(message, _MESSAGE_BYTES)
         super().__init__(message)
         self.code = code
         self.message = message
-        self.violations = tuple(violations)
-        self.reason = reason
+        self.violations = tuple(
+            (truncate_utf8(f, _FIELD_BYTES), truncate_utf8(d, _DESCRIPTION_BYTES))
+            for f, d in violations[:_MAX_VIOLATIONS]
+        )
+        self.reason = truncate_utf8(reason, _FIELD_BYTES)
 
     def to_status(self) -> status_pb2.Status:
         return status_proto(self.code, self.message, self.violations, self.reason)

@@ -37,3 +37,16 @@ def _encodable(text: str) -> str:
     except UnicodeEncodeError:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text
+
+
+def truncate_utf8(text: str, max_bytes: int) -> str:
+    """`truncate_echo(text)` further cut so that its UTF-8 encoding takes at most `max_bytes`
+    (a gRPC status travels in headers, which are limited in bytes, and non-ASCII text is
+    percent-encoded there at three characters per byte)."""
+    text = truncate_echo(text, max_bytes)  # encodable from here on
+    data = text.encode("utf-8")
+    if len(data) <= max_bytes:
+        return text
+    marker = "…[cut]"
+    room = max_bytes - len(marker.encode("utf-8"))
+    return data[: max(room, 0)].decode("utf-8", "ignore") + marker
