@@ -113,11 +113,15 @@ class Compiler:
             raise crashed_error(constraint.WhichOneof("kind") or "", why)
 
     async def compile(
-        self, constraint: common_pb2.Constraint, tokenizer: Tokenizer, grammar_id: str = ""
+        self,
+        constraint: common_pb2.Constraint,
+        tokenizer: Tokenizer,
+        grammar_id: str = "",
+        client: str = "",
     ) -> CompiledGrammar:
-        """Compile off the event loop. Raises RpcError: INVALID_ARGUMENT for a bad, too complex
-        or poisoned constraint, DEADLINE_EXCEEDED after `timeout_s`, UNAVAILABLE when the
-        sandbox cannot run."""
+        """Compile off the event loop (`client`: who asks, for the sandbox's fair share).
+        Raises RpcError: INVALID_ARGUMENT for a bad, too complex or poisoned constraint,
+        DEADLINE_EXCEEDED after `timeout_s`, UNAVAILABLE when the sandbox cannot run."""
         self.check_size(constraint)
         key = grammar_id or grammar_key(constraint, tokenizer)
         self.check_poison(constraint, key)
@@ -136,7 +140,11 @@ class Compiler:
                 template, warnings = checked.matcher, checked.warnings
             else:
                 warnings = await self.sandbox.verify(
-                    grammar, self._tokenizer_index.get(id(tokenizer), 0), field, deadline=deadline
+                    grammar,
+                    self._tokenizer_index.get(id(tokenizer), 0),
+                    field,
+                    deadline=deadline,
+                    client=client,
                 )
                 template = await self._in_thread(
                     deadline, self._build, key, grammar, tokenizer, field

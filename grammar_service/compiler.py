@@ -321,7 +321,7 @@ def _rejected(field: str, detail: str) -> RpcError:
     )
 
 
-# A test hook (never set in production): `MASKWIRE_TESTING_FAULT=WHERE:ACTION:TEXT`, WHERE one of
+# A test hook (never set in production): `MASKWIRE_TESTING_FAULT=WHERE:ACTION:TEXT[;...]`, WHERE
 # `sandbox` (a compile-sandbox child) or `service` (the service process), ACTION `abort` or
 # `hang`: that process aborts or hangs while compiling a grammar that contains TEXT, so the crash
 # and runaway defences can be tested without depending on whichever input breaks llguidance today.
@@ -329,14 +329,12 @@ TESTING_FAULT_ENV = "MASKWIRE_TESTING_FAULT"
 
 
 def testing_fault_point(where: str, grammar: str) -> None:
-    spec = os.environ.get(TESTING_FAULT_ENV, "")
-    if not spec:
-        return
-    at, action, text = [*spec.split(":", 2), "", ""][:3]
-    if at == where and text and text in grammar:
-        if action == "hang":
-            time.sleep(3600)
-        os.abort()
+    for spec in os.environ.get(TESTING_FAULT_ENV, "").split(";"):
+        at, action, text = [*spec.split(":", 2), "", ""][:3]
+        if at == where and text and text in grammar:
+            if action == "hang":
+                time.sleep(3600)
+            os.abort()
 
 
 @dataclass(frozen=True)

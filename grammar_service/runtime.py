@@ -96,16 +96,17 @@ class Runtime:
 
     # -- grammars ---------------------------------------------------------------------------
     async def compile(
-        self, constraint: common_pb2.Constraint, tokenizer: Tokenizer
+        self, constraint: common_pb2.Constraint, tokenizer: Tokenizer, client: str = ""
     ) -> tuple[CompiledGrammar, bool]:
-        """Compile (or fetch from the cache). Raises RpcError for a bad constraint."""
+        """Compile (or fetch from the cache) for `client` (who asks: a connection). Raises
+        RpcError for a bad constraint."""
         self.compiler.check_size(constraint)
         key = grammar_key(constraint, tokenizer)
 
         async def run() -> CompiledGrammar:
             t0 = time.perf_counter()
             try:
-                item = await self.compiler.compile(constraint, tokenizer, key)
+                item = await self.compiler.compile(constraint, tokenizer, key, client)
             except RpcError as e:
                 metrics.COMPILE_ERRORS.labels(e.reason or e.code.name).inc()
                 raise

@@ -9,16 +9,19 @@ matcher, its first mask) on a thread with a large stack, under an address-space 
   worker at the deadline instead of holding it until it ends;
 * reports a child that died mid-job as `SandboxCrashed` (the caller remembers the grammar as
   poison, see `grammar_service.poison`) and starts a new one;
-* keeps small grammars from queueing behind big ones: grammars over `large_bytes` may occupy at
-  most `workers - 1` children, and waiting small jobs are served first; a job still waiting at its
-  deadline is dropped without running.
+* shares the children fairly: one client (a connection) and grammars over `large_bytes` may each
+  hold at most `workers - 1` children, waiting jobs of the client with the fewest running jobs go
+  first and small grammars before large ones; a job still waiting at its deadline is dropped
+  without running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import multiprocessing.connection
 import os
@@ -196,9 +199,13 @@ class _Child:
         return self.proc is not None and self.conn is not None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Waiter:
+    """A job waiting for (then holding) a child."""
+
     large: bool
+    client: str
+    seq: int
     future: asyncio.Future[_Child]
 
 
@@ -222,6 +229,8 @@ class Sandbox:
         self._idle: list[_Child] = []
         self._waiters: list[_Waiter] = []
         self._running_large = 0
+        self._running: collections.Counter[str] = collections.Counter()  # jobs per client
+        self._seq = itertools.count()
         self._ready = 0
         self._last_start_error = ""
         self._closed = False
@@ -281,45 +290,47 @@ class Sandbox:
             self._restart(child, attempt + 1)
 
     # ------------------------------------------------------------------ scheduling
-    def _may_take(self, large: bool) -> bool:
-        return not large or self.workers == 1 or self._running_large < self.workers - 1
+    def _may_take(self, w: _Waiter) -> bool:
+        """Large grammars, and any one client, may hold at most all children but one."""
+        if self.workers == 1:
+            return True
+        share = self.workers - 1
+        return self._running[w.client] < share and (not w.large or self._running_large < share)
 
     def _dispatch(self) -> None:
-        """Give idle children to waiting jobs: small ones first, each lane in arrival order."""
+        """Give idle children to waiting jobs: the client with the fewest running jobs first,
+        then small grammars before large ones, then in arrival order."""
         self._waiters = [w for w in self._waiters if not w.future.done()]
         while self._idle:
-            chosen = next(
-                (
-                    w
-                    for lane in (False, True)
-                    for w in self._waiters
-                    if w.large == lane and self._may_take(lane)
-                ),
-                None,
-            )
-            if chosen is None:
+            eligible = [w for w in self._waiters if self._may_take(w)]
+            if not eligible:
                 return
+            chosen = min(eligible, key=lambda w: (self._running[w.client], w.large, w.seq))
             self._waiters.remove(chosen)
             self._running_large += chosen.large
+            self._running[chosen.client] += 1
             chosen.future.set_result(self._idle.pop())
 
-    async def _acquire(self, large: bool, deadline: float) -> _Child:
-        fut: asyncio.Future[_Child] = asyncio.get_running_loop().create_future()
-        self._waiters.append(_Waiter(large, fut))
+    async def _acquire(self, w: _Waiter, deadline: float) -> _Child:
+        self._waiters.append(w)
         self._dispatch()
+        fut = w.future
         if fut.done():
             return fut.result()
         try:
             return await asyncio.wait_for(asyncio.shield(fut), deadline - time.monotonic())
         except (TimeoutError, asyncio.CancelledError):
             if fut.done() and not fut.cancelled():
-                self._release(fut.result(), large)  # handed over just as we gave up
+                self._release(fut.result(), w)  # handed over just as we gave up
             else:
                 fut.cancel()
             raise
 
-    def _release(self, child: _Child, large: bool) -> None:
-        self._running_large -= large
+    def _release(self, child: _Child, w: _Waiter) -> None:
+        self._running_large -= w.large
+        self._running[w.client] -= 1
+        if not self._running[w.client]:
+            del self._running[w.client]
         if self._closed:
             child.stop()
         elif child.alive:
@@ -334,16 +345,28 @@ class Sandbox:
 
     # ------------------------------------------------------------------ jobs
     async def verify(
-        self, grammar: str, tokenizer_index: int, field: str, *, deadline: float
+        self,
+        grammar: str,
+        tokenizer_index: int,
+        field: str,
+        *,
+        deadline: float,
+        client: str = "",
     ) -> tuple[str, ...]:
         """Verify `grammar` in a child before `deadline` (time.monotonic()). Returns its
-        warnings. Raises RpcError (the grammar is invalid), SandboxCrashed, TimeoutError,
+        warnings. `client` names who asked (a connection): one client never holds every child.
+        Raises RpcError (the grammar is invalid), SandboxCrashed, TimeoutError,
         SandboxUnavailable (no child could be started)."""
         if self._closed:
             raise SandboxUnavailable("the grammar service is shutting down")
-        large = len(grammar) > self.config.large_bytes
+        w = _Waiter(
+            large=len(grammar) > self.config.large_bytes,
+            client=client,
+            seq=next(self._seq),
+            future=asyncio.get_running_loop().create_future(),
+        )
         try:
-            child = await self._acquire(large, deadline)
+            child = await self._acquire(w, deadline)
         except TimeoutError:
             if self._ready == 0 and self._last_start_error:
                 raise SandboxUnavailable(self._last_start_error) from None
@@ -353,7 +376,7 @@ class Sandbox:
             self._threads, child.run, grammar, tokenizer_index, field, deadline - time.monotonic()
         )
         # The child goes back to the pool when its job ends, even if our caller gave up.
-        job.add_done_callback(lambda _: self._release(child, large))
+        job.add_done_callback(lambda _: self._release(child, w))
         answer = await asyncio.shield(job)
         if self._closed:
             raise SandboxUnavailable("the grammar service is shutting down")

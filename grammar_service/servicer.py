@@ -54,7 +54,7 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
                     "constraint is required",
                     [("constraint", "set exactly one kind")],
                 )
-            item, cached = await self.runtime.compile(request.constraint, tok)
+            item, cached = await self.runtime.compile(request.constraint, tok, _client(context))
         except RpcError as e:
             await e.abort(context)
             raise AssertionError("unreachable") from None
@@ -71,7 +71,7 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> None:
         await context.send_initial_metadata(ACCEPTED_METADATA)
-        session = Session(self.runtime)
+        session = Session(self.runtime, _client(context))
         stream = _Stream(asyncio.current_task())
         self._streams.add(stream)
         metrics.LIVE_SESSIONS.inc()
@@ -113,3 +113,8 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
         for s in list(self._streams):
             if not s.busy and s.task is not None:
                 s.task.cancel()
+
+
+def _client(context: grpc.aio.ServicerContext) -> str:
+    """Who is calling, for fair shares of compile capacity: the connection (peer address)."""
+    return str(context.peer() or "")

@@ -70,8 +70,9 @@ def _row_error(message: str, reason: str) -> status_pb2.Status:
 class Session:
     """The state of one stream. `handle` answers one SessionRequest."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, client: str = "") -> None:
         self.runtime = runtime
+        self.client = client  # who holds the stream (its compiles share the sandbox fairly)
         self.requests: dict[str, Request] = {}
         self.tokenizer: Tokenizer | None = None
         self._buffer: MaskBuffer | None = None
@@ -135,7 +136,7 @@ class Session:
         try:
             kind = msg.WhichOneof("grammar")
             if kind == "constraint":
-                compiled, _ = await rt.compile(msg.constraint, tok)
+                compiled, _ = await rt.compile(msg.constraint, tok, self.client)
             elif kind == "grammar_id":
                 found = rt.cached(msg.grammar_id)
                 if found is None:

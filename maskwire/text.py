@@ -40,13 +40,12 @@ def _encodable(text: str) -> str:
 
 
 def truncate_utf8(text: str, max_bytes: int) -> str:
-    """`truncate_echo(text)` further cut so that its UTF-8 encoding takes at most `max_bytes`
-    (a gRPC status travels in headers, which are limited in bytes, and non-ASCII text is
-    percent-encoded there at three characters per byte)."""
-    text = truncate_echo(text, max_bytes)  # encodable from here on
-    data = text.encode("utf-8")
-    if len(data) <= max_bytes:
-        return text
-    marker = "…[cut]"
-    room = max_bytes - len(marker.encode("utf-8"))
-    return data[: max(room, 0)].decode("utf-8", "ignore") + marker
+    """Like `truncate_echo`, but the result's UTF-8 encoding takes at most `max_bytes` (a gRPC
+    status travels in headers, which are limited in bytes)."""
+    head = _encodable(text[: max_bytes + 1])
+    data = head.encode("utf-8")
+    if len(text) <= max_bytes and len(data) <= max_bytes:
+        return head
+    marker = f"…[{len(text)} chars in all]"
+    room = max(max_bytes - len(marker.encode("utf-8")), 0)
+    return (data[:room].decode("utf-8", "ignore") + marker)[:max_bytes]

@@ -708,4 +708,15 @@ ACTION_CASES: list[ActionCase] = [
 
 
 def all_cases() -> list[Any]:
-    return [*HTTP_CASES, *WORKER_CASES, *GRAMMAR_CASES, *ACTION_CASES]
+    from tests.robustness import hostile_grammars as hostile
+
+    return [
+        *HTTP_CASES,
+        *WORKER_CASES,
+        *GRAMMAR_CASES,
+        *ACTION_CASES,
+        *hostile.HTTP_CASES,
+        *hostile.WORKER_CASES,
+        *hostile.GRAMMAR_CASES,
+        *hostile.ACTION_CASES,
+    ]

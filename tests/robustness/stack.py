@@ -170,13 +170,15 @@ class Stack:
 
 @contextlib.contextmanager
 def start_stack(
-    worker_args: tuple[str, ...] = (), gateway_args: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = (),
+    gateway_args: tuple[str, ...] = (),
+    grammar_args: tuple[str, ...] = (),
 ) -> Iterator[Stack]:
     gm, wm = free_port(), free_port()
     with (
         grammar_and_worker(
             ["--metrics-port", str(wm), "--max-seq-len", str(MAX_SEQ_LEN), *worker_args],
-            ["--metrics-port", str(gm)],
+            ["--metrics-port", str(gm), *grammar_args],
         ) as (gs, w),
         running("gateway", ["--worker", w.address, *gateway_args], http=True) as g,
     ):

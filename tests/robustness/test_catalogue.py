@@ -17,6 +17,7 @@ import pytest
 
 from maskwire.rpc import RpcError, channel_options
 from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.robustness import hostile_grammars as hostile
 from tests.robustness.catalogue import (
     ANY,
     ActionCase,
@@ -32,9 +33,12 @@ from tests.robustness.stack import Stack, start_stack
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    with start_stack() as s:
-        s.assert_still_serving()  # warm every path once
-        yield s
+    # The grammar service's compile workers abort or hang on the hostile cases' markers.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MASKWIRE_TESTING_FAULT", hostile.FAULTS)
+        with start_stack(grammar_args=("--compile-timeout-s", str(hostile.COMPILE_TIMEOUT_S))) as s:
+            s.assert_still_serving()  # warm every path once
+            yield s
 
 
 @pytest.fixture(scope="module")
@@ -347,9 +351,60 @@ def session_vanish(stack: Stack) -> None:
         gate.set()
 
 
+def compile_starvation(stack: Stack) -> None:
+    """One connection's hanging compiles never take every compile worker: a compile from
+    another connection is answered at once, the hanging ones end at the compile deadline."""
+    tok = stack.tokenizer
+    results: list[Any] = []
+    # Compile workers killed by earlier cases are back (each takes a few seconds to start).
+    deadline = time.monotonic() + 60
+    while stack.metric(stack.grammar_metrics, "maskwire_grammar_sandbox_workers") < 2:
+        assert time.monotonic() < deadline, "the compile workers did not come back"
+        time.sleep(0.2)
+
+    # Channels of one process share a connection unless told not to: one connection per client.
+    own = [("grpc.use_local_subchannel_pool", 1)]
+
+    def hang(i: int) -> None:
+        with grpc.insecure_channel(stack.grammar.address, options=own) as ch:
+            stub = grammar_pb2_grpc.GrammarServiceStub(ch)
+            calls = [
+                stub.Compile.future(
+                    grammar_pb2.CompileRequest(
+                        constraint=hostile.hang_constraint(j), tokenizer=tok.fingerprint.to_proto()
+                    ),
+                    timeout=30,
+                )
+                for j in (2 * i, 2 * i + 1)
+            ]
+            for c in calls:
+                try:
+                    c.result()
+                    results.append("answered")
+                except grpc.RpcError as e:
+                    results.append(e.code())
+
+    hog = threading.Thread(target=hang, args=(0,))
+    hog.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    with grpc.insecure_channel(stack.grammar.address, options=own) as ch:
+        grammar_pb2_grpc.GrammarServiceStub(ch).Compile(
+            grammar_pb2.CompileRequest(
+                constraint=common_pb2.Constraint(regex="starve[0-9]{3}"),
+                tokenizer=tok.fingerprint.to_proto(),
+            ),
+            timeout=30,
+        )
+    assert time.monotonic() - t0 < 2.0, "a small compile waited behind the hanging ones"
+    hog.join()
+    assert results == [hostile.EXPECT_HANG, hostile.EXPECT_HANG], results
+
+
 SCENARIOS: dict[str, Callable[[Stack], None]] = {
     f.__name__: f
     for f in (
+        compile_starvation,
         sse_disconnect,
         sse_disconnect_early,
         http_disconnect,

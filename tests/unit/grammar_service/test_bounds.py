@@ -56,7 +56,7 @@ def test_grammar_shape_counts_rule_chains_not_strings_or_schemas() -> None:
     text = (
         "// r9 in a comment\n"
         'start: "r0 r1" /r2|r3/ item\n'
-        "item: %json { \"properties\": {\"start\": {\"type\": \"string\"}} } | ITEM\n"
+        'item: %json { "properties": {"start": {"type": "string"}} } | ITEM\n'
         'ITEM: "x"\n'
     )
     depth, rules = grammar_shape(text)
@@ -69,12 +69,13 @@ def test_grammar_shape_counts_rule_chains_not_strings_or_schemas() -> None:
         (common_pb2.Constraint(json_schema=json.dumps(ref_chain(3000))), "--max-schema-depth"),
         (common_pb2.Constraint(lark=lark_chain(3000)), "--max-grammar-depth"),
         (
-            common_pb2.Constraint(lark='start: %json ' + json.dumps(ref_chain(3000))),
+            common_pb2.Constraint(lark="start: %json " + json.dumps(ref_chain(3000))),
             "--max-schema-depth",
         ),
         (
             common_pb2.Constraint(
-                gbnf="root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(600))
+                gbnf="root ::= r0\n"
+                + "".join(f"r{i} ::= r{i + 1}\n" for i in range(600))
                 + 'r600 ::= "a"\n'
             ),
             "--max-grammar-depth",

@@ -96,29 +96,40 @@ async def test_a_runaway_compile_is_killed_at_its_deadline(
         box.close()
 
 
-async def test_small_grammars_do_not_queue_behind_large_ones(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.fixture
+async def hanging(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Sandbox]:
+    """Two children that hang on HANG; grammars over 1 KiB are large."""
     monkeypatch.setenv("MASKWIRE_TESTING_FAULT", f"sandbox:hang:{HANG}")
     box = Sandbox(["default"], ParserLimits(), SandboxConfig(workers=2, large_bytes=1024))
     box.start()
+    await box.verify(ok_grammar(), 0, FIELD, deadline=deadline(120))
+    while box.ready_workers < 2:
+        await asyncio.sleep(0.05)
     try:
-        await box.verify(ok_grammar(), 0, FIELD, deadline=deadline(120))
-        while box.ready_workers < 2:
-            await asyncio.sleep(0.05)
-        big = lark(f'start: "{HANG}" ' + " ".join(f'"w{i}"' for i in range(400)))
-        assert len(big) > 1024
-        hogs = [
-            asyncio.create_task(box.verify(big, 0, FIELD, deadline=deadline(3)))
-            for _ in range(2)
-        ]
-        await asyncio.sleep(0.3)
-        # Large grammars get at most one of the two children: a small one runs at once.
-        t0 = time.monotonic()
-        assert await box.verify(ok_grammar("small"), 0, FIELD, deadline=deadline(2)) == ()
-        assert time.monotonic() - t0 < 1.5
-        for hog in hogs:
-            with pytest.raises(TimeoutError):
-                await hog  # the second never started: dropped at its deadline
+        yield box
     finally:
         box.close()
+
+
+async def _hogs_leave_room(box: Sandbox, hog: str, clients: tuple[str, str]) -> None:
+    hogs = [
+        asyncio.create_task(box.verify(hog, 0, FIELD, deadline=deadline(3), client=c))
+        for c in clients
+    ]
+    await asyncio.sleep(0.3)
+    t0 = time.monotonic()
+    assert await box.verify(ok_grammar("small"), 0, FIELD, deadline=deadline(2), client="me") == ()
+    assert time.monotonic() - t0 < 1.5
+    for task in hogs:
+        with pytest.raises(TimeoutError):
+            await task  # one killed at its deadline, the other dropped there without running
+
+
+async def test_small_grammars_do_not_queue_behind_large_ones(hanging: Sandbox) -> None:
+    big = lark(f'start: "{HANG}" ' + " ".join(f'"w{i}"' for i in range(400)))
+    assert len(big) > 1024
+    await _hogs_leave_room(hanging, big, ("a", "b"))
+
+
+async def test_one_client_never_holds_every_child(hanging: Sandbox) -> None:
+    await _hogs_leave_room(hanging, lark(f'start: "{HANG}"'), ("a", "a"))

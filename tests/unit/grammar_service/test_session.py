@@ -76,7 +76,9 @@ async def test_open_requires_a_fingerprint(tok: Tokenizer) -> None:
 AMBIGUOUS = 's: s s s | s s | "a" | ""\nstart: s'
 
 
-def lark_open(rid: str, tok: Tokenizer, lark: str, replay: list[int] | None = None) -> grammar_pb2.Open:
+def lark_open(
+    rid: str, tok: Tokenizer, lark: str, replay: list[int] | None = None
+) -> grammar_pb2.Open:
     return grammar_pb2.Open(
         request_id=rid,
         constraint=common_pb2.Constraint(lark=lark),
