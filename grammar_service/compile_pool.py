@@ -84,11 +84,13 @@ class Compiler:
         )
         self._tokenizer_index: dict[int, int] = {}
 
-    def start(self, tokenizers: list[Tokenizer]) -> None:
-        """Start the sandbox's children for these tokenizers (in the order the sandbox got)."""
+    async def start(self, tokenizers: list[Tokenizer], timeout_s: float = 120.0) -> None:
+        """Start the sandbox's children for these tokenizers (in the order the sandbox got) and
+        wait until one can compile. Raises SandboxUnavailable after `timeout_s`."""
         self._tokenizer_index = {id(t): i for i, t in enumerate(tokenizers)}
         if self.sandbox is not None:
             self.sandbox.start()
+            await self.sandbox.wait_ready(timeout_s)
 
     def check_size(self, constraint: common_pb2.Constraint) -> None:
         size = constraint_size(constraint)

@@ -362,7 +362,15 @@ def verify(grammar: str, tokenizer: Tokenizer, limits: ParserLimits, field: str)
         probe.compute_bitmask()
         probe.compute_ff_tokens()
     if probe.is_error():
-        raise _rejected(field, clean_error(probe.get_error()))
+        detail = clean_error(probe.get_error())
+        if detail.startswith("NoExtensionBias"):  # no token can start the output
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "the constraint matches no output at all (its language is empty)",
+                [(field, "matches nothing")],
+                reason="EMPTY_LANGUAGE",
+            )
+        raise _rejected(field, detail)
     return Verified(tuple(clean_error(w) for w in messages), matcher)
 
 

@@ -255,6 +255,16 @@ class Sandbox:
     def ready_workers(self) -> int:
         return self._ready
 
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Wait until a child can take a job; SandboxUnavailable after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self._ready == 0:
+            if time.monotonic() >= deadline:
+                raise SandboxUnavailable(
+                    self._last_start_error or f"no compile worker started in {timeout_s:g}s"
+                )
+            await asyncio.sleep(0.05)
+
     def _restart(self, child: _Child, attempt: int = 0) -> None:
         """Start `child`'s process on a thread; it joins the idle list when ready."""
         assert self._loop is not None

@@ -17,7 +17,7 @@ from grammar_service.compile_pool import Compiler, use_large_thread_stacks
 from grammar_service.compiler import ParserLimits
 from grammar_service.poison import PoisonList
 from grammar_service.runtime import Limits, Runtime
-from grammar_service.sandbox import Sandbox, SandboxConfig
+from grammar_service.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
 from grammar_service.servicer import GrammarServicer
 from maskwire.rpc import Server, start_metrics_server
 from maskwire.tls import server_tls_mode
@@ -113,7 +113,13 @@ async def main(args: argparse.Namespace, credentials: grpc.ServerCredentials | N
     except TokenizerLoadError as e:
         log.error("%s", e)
         return 2
-    runtime.compiler.start(list(runtime.tokenizers.values()))
+    try:
+        # Not ready before a compile worker is: a replica must be able to compile what it is sent.
+        await runtime.compiler.start(list(runtime.tokenizers.values()))
+    except SandboxUnavailable as e:
+        log.error("the compile sandbox did not start: %s", e)
+        runtime.compiler.shutdown()
+        return 1
     servicer = GrammarServicer(runtime)
     server = Server(
         host=args.host,

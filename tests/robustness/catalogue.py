@@ -247,8 +247,9 @@ HTTP_CASES: list[HttpCase] = [
         "schema-deeply-nested",
         raw_chat_with_schema(nested_schema_text(900)),
         400,
+        "constraint_too_complex",
         param=SCHEMA_PARAM,
-        message="recursion limit",
+        message="--max-schema-depth",
     ),
     HttpCase(
         "schema-5mb",
@@ -450,7 +451,7 @@ WORKER_CASES: list[WorkerCase] = [
         gen(constraint=C(regex=r"[^\x00-\x{10FFFF}]")),
         IA,
         "EMPTY_LANGUAGE",
-        "constraint",
+        "constraint.regex",
     ),
     WorkerCase("oversize-message", gen("x" * BIG), grpc.StatusCode.RESOURCE_EXHAUSTED),
     WorkerCase(
