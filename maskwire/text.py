@@ -1,0 +1,39 @@
+"""Bounding client-supplied text that is echoed back in error messages and details.
+
+An error that quotes its input (a 100 KB regex, a 5 MB model name, a lone surrogate) must stay
+small enough for gRPC's metadata limit (the status message travels in a header) and encodable as
+UTF-8 (JSON bodies and gRPC strings both are): otherwise the error itself fails and the client
+gets a 500 / RESOURCE_EXHAUSTED instead of the real cause.
+"""
+
+from __future__ import annotations
+
+ECHO_LIMIT = 256
+"""Characters of one echoed value (a model name, a stop string, a pattern) in a message."""
+
+MESSAGE_LIMIT = 4096
+"""Characters of a whole error message (which may quote several values or a compiler error)."""
+
+
+def truncate_echo(text: str, limit: int = ECHO_LIMIT) -> str:
+    """`text` made valid UTF-8 text and cut to at most `limit` characters.
+
+    Lone surrogates become `\\udXXX` escapes. A cut ends with a marker that says how much was
+    left off, and the marker counts towards `limit`. Costs O(limit), whatever `len(text)` is.
+    """
+    if limit <= 0:
+        return ""
+    head = _encodable(text[: limit + 1])
+    if len(text) <= limit and len(head) <= limit:
+        return head
+    marker = f"…[{len(text)} chars in all]"
+    return (head[: max(limit - len(marker), 0)] + marker)[:limit]
+
+
+def _encodable(text: str) -> str:
+    """`text` with lone surrogates (from `"\\ud800"` JSON escapes) written as escapes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
