@@ -16,6 +16,7 @@ from gateway import errors, schemas, sse
 from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_BYTES
 from gateway.metrics import GatewayMetrics
 from gateway.workers import WorkerPool
+from maskwire.text import utf8_len
 from maskwire.v1 import worker_pb2
 
 T = TypeVar("T")
@@ -85,7 +86,7 @@ def check_common(req: schemas._SamplingFields) -> None:
 
 def check_prompt_bytes(prompt: str, limit: int, param: str) -> None:
     """Refuse a prompt over `limit` UTF-8 bytes before a worker spends time tokenizing it."""
-    size = len(prompt) if prompt.isascii() else len(prompt.encode("utf-8", "surrogatepass"))
+    size = utf8_len(prompt)
     if size > limit:
         raise errors.APIError(
             400,

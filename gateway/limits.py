@@ -3,9 +3,8 @@ FastAPI loads."""
 
 from __future__ import annotations
 
-DEFAULT_MAX_PROMPT_BYTES = 1024 * 1024
-"""UTF-8 bytes of the prompt text sent to a worker (the rendered chat, or a completions prompt);
-the worker's own `--max-prompt-bytes` has the same default, so the gateway refuses first."""
+# UTF-8 bytes of the prompt text sent to a worker (the rendered chat, or a completions prompt).
+from maskwire.text import DEFAULT_MAX_PROMPT_BYTES as DEFAULT_MAX_PROMPT_BYTES
 
 DEFAULT_MAX_JSON_DEPTH = 64
 """Nesting levels of a body (`{"a": [1]}` is 2), and of JSON sent as text inside a field. A JSON
