@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import numpy as np
 from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.responses import Response
@@ -24,8 +25,9 @@ from gateway.errors import APIError, bad_request
 from maskwire.text import truncate_echo
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-# In the raw body: a `\uD800`-`\uDFFF` escape, or a surrogate encoded as UTF-8 (ED A0-BF ..).
-_SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_QUOTE, _BRACKETS = ord('"'), b"[]{}"
+_MARKS = np.zeros(256, dtype=bool)  # the bytes that decide nesting: quotes and brackets
+_MARKS[[_QUOTE, *_BRACKETS]] = True
 _PARAM_NAMES = 3  # a depth error's `param`: the first names of the path (the field, not the leaf)
 
 Path = tuple[str | int, ...]
@@ -34,19 +36,46 @@ Path = tuple[str | int, ...]
 def check_body(raw: bytes, body: Any, max_depth: int) -> None:
     """400 when `body` (parsed from `raw`) nests deeper than `max_depth` or holds a lone surrogate.
 
-    Cheap scans of the raw bytes decide whether the body needs walking at all, so a plain
-    request pays two byte counts and one regex search.
+    Both are decided at C speed (byte scans, numpy, `json.dumps`); the parsed body is walked in
+    Python, to name the field, only when it is refused.
     """
-    deep = raw.count(b"{") + raw.count(b"[") > max_depth
-    utf8 = raw[:2] not in (b"\xff\xfe", b"\xfe\xff") and b"\x00" not in raw[:4]
-    text = not utf8 or _SURROGATE_BYTES.search(raw) is not None
-    if deep or text:
-        check_value(body, (), max_depth, text=text)
+    encoding = json.detect_encoding(raw)
+    if encoding not in ("utf-8", "utf-8-sig"):  # UTF-16/32: decided on the same text as UTF-8
+        raw = raw.decode(encoding, "surrogatepass").encode("utf-8", "surrogatepass")
+    deep = raw.count(b"{") + raw.count(b"[") > max_depth and _nesting_depth(raw) > max_depth
+    if deep or _unencodable(raw, body):
+        check_value(body, (), max_depth)
 
 
-def check_value(value: Any, where: Path, max_depth: int, *, text: bool = True) -> None:
-    """`check_body` for one parsed value found at `where`."""
-    found = _find_problem(value, max_depth, text)
+def _nesting_depth(raw: bytes) -> int:
+    """How deep valid UTF-8 JSON `raw` nests. Escaped backslashes, then escaped quotes, are
+    dropped, so every quote left opens or closes a string; brackets between them do not count."""
+    text = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    a = np.frombuffer(text, dtype=np.uint8)
+    marks = a[_MARKS[a]]
+    outside = (np.cumsum(marks == _QUOTE, dtype=np.int64) & 1) == 0
+    opens = (marks == ord("[")) | (marks == ord("{"))
+    closes = (marks == ord("]")) | (marks == ord("}"))
+    steps = (opens & outside).astype(np.int32) - (closes & outside).astype(np.int32)
+    return int(np.cumsum(steps).max()) if steps.size else 0
+
+
+def _unencodable(raw: bytes, body: Any) -> bool:
+    """Whether a string or key in `body` holds a lone surrogate. Only JSON's `\\ud...` escapes
+    or a surrogate encoded as UTF-8 (ED A0-BF ..) can make one; valid pairs (how `json.dumps`
+    writes an emoji) are told apart by encoding the body (nested no deeper than the limit)."""
+    if b"\\ud" not in raw and b"\\uD" not in raw and b"\xed" not in raw:
+        return False
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def check_value(value: Any, where: Path, max_depth: int) -> None:
+    """`check_body` for one parsed value found at `where` (a walk in Python)."""
+    found = _find_problem(value, max_depth)
     if found is None:
         return
     kind, path = found
@@ -93,36 +122,33 @@ def has_lone_surrogate(s: str) -> bool:
     return not s.isascii() and _LONE_SURROGATE.search(s) is not None
 
 
-def _find_problem(root: Any, max_depth: int, text: bool) -> tuple[str, Path] | None:
-    """The first container nested past `max_depth` ("depth") or string or key with a lone
-    surrogate ("text" / "key"), with its path. Iterative: the walk itself cannot recurse."""
-    # Each visited value is (value, its node, its depth); node n's path is parents[n] followed
-    # back to the root, so a path is only built for the value that fails.
+def _find_problem(root: Any, max_depth: int) -> tuple[str, Path] | None:
+    """A container nested past `max_depth` ("depth"), or a string or key with a lone surrogate
+    ("text" / "key"), with its path; None when there is neither.
+
+    Iterative (the walk itself cannot recurse), and lean: strings are checked in place and
+    empty containers skipped, so only non-empty containers are kept, each with its parent
+    (node n's path is parents[n] followed back to the root, built only for the culprit).
+    """
+    if isinstance(root, str):
+        return ("text", ()) if has_lone_surrogate(root) else None
     parents: list[tuple[int, str | int]] = [(-1, "")]
     stack: list[tuple[Any, int, int]] = [(root, 0, 1)]
     while stack:
         value, node, depth = stack.pop()
-        if isinstance(value, str):
-            if text and has_lone_surrogate(value):
-                return "text", _unwind(parents, node)
-            continue
-        if isinstance(value, dict):
-            items: Any = value.items()
-        elif isinstance(value, list):
-            items = enumerate(value)
-        else:
-            continue
         if depth > max_depth:
             return "depth", _unwind(parents, node)
-        children = []
+        items = value.items() if type(value) is dict else enumerate(value)
         for key, child in items:
-            if text and isinstance(key, str) and has_lone_surrogate(key):
+            if type(key) is str and has_lone_surrogate(key):
+                return "key", (*_unwind(parents, node), key)
+            kind = type(child)
+            if kind is str:
+                if has_lone_surrogate(child):
+                    return "text", (*_unwind(parents, node), key)
+            elif (kind is dict or kind is list) and (child or depth >= max_depth):
                 parents.append((node, key))
-                return "key", _unwind(parents, len(parents) - 1)
-            if isinstance(child, (str, dict, list)):
-                parents.append((node, key))
-                children.append((child, len(parents) - 1, depth + 1))
-        stack.extend(reversed(children))  # document order: the first bad field is reported
+                stack.append((child, len(parents) - 1, depth + 1))
     return None
 
 

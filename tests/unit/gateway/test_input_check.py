@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import APIError
-from gateway.input_check import check_body, check_value, parse_json_text
+from gateway.input_check import _nesting_depth, check_body, check_value, parse_json_text
 
 
 def nested(depth: int) -> Any:
@@ -43,9 +43,9 @@ def test_lone_surrogate_is_named_by_its_path() -> None:
     assert "object key" in err.message
 
 
-def test_the_first_bad_field_in_document_order_is_reported() -> None:
-    err = refusal(check_value, {"a": "\ud800", "b": ["\ud801"]}, (), 64)
-    assert err.param == "a"
+def test_one_of_several_bad_fields_is_reported() -> None:
+    err = refusal(check_value, {"a": ["\ud800"], "b": "\ud801"}, (), 64)
+    assert err.param in ("a[0]", "b")
 
 
 def test_depth_names_the_field_not_the_leaf() -> None:
@@ -62,15 +62,25 @@ def test_check_body_finds_surrogates_as_escapes_or_as_raw_bytes() -> None:
         assert refusal(check_body, raw, body, 64).param == "model"
     paired = b'{"model": "\\ud83d\\ude00"}'  # a valid pair: one emoji
     check_body(paired, json.loads(paired), 64)
+    check_body(b'{"model": "x"}', {"model": "\ud800"}, 64)  # the bytes cannot hold one: unchecked
+    for raw in (b'"\\udc00"', b'"\\ud800x"', b'"\\\\ud83d\\ude00"'):  # lone low, high; `\\`
+        assert refusal(check_body, raw, json.loads(raw), 64).code == "invalid_unicode"
     utf16 = '{"model": "x"}'.encode("utf-16")
     check_body(utf16, json.loads(utf16), 64)
+    utf16 = '{"model": "\ud800"}'.encode("utf-16", "surrogatepass")
+    assert refusal(check_body, utf16, json.loads(utf16), 64).param == "model"
+    utf16 = json.dumps({"a": nested(10)}).encode("utf-16-le")
+    assert refusal(check_body, utf16, json.loads(utf16), 8).code == "nesting_too_deep"
 
 
 def test_check_body_walks_only_when_the_bytes_say_so() -> None:
-    raw = json.dumps({"a": [[[1]]]}).encode()  # 4 brackets: no deeper than 4
+    raw = json.dumps({"a": [[[1]]], "b": "[[[[[[{{{{", "c": [[], {}, [1]]}).encode()
     check_body(raw, nested(100), 4)  # not walked (the value would fail if it were)
     err = refusal(check_body, raw, json.loads(raw), 3)
     assert err.param == "a[0][0]"
+    wide = json.dumps([[[[1]]] for _ in range(10_000)]).encode()
+    check_body(wide, nested(100), 4)
+    assert refusal(check_body, wide, json.loads(wide), 3).code == "nesting_too_deep"
 
 
 def test_json_text_in_a_field() -> None:
@@ -85,3 +95,19 @@ def test_json_text_in_a_field() -> None:
     assert err.param == "structured_outputs.json"
     err = refusal(parse_json_text, '{"d": "\\ud800"}', "guided_json", 64)
     assert err.param == "guided_json.d" and err.code == "invalid_unicode"
+
+
+@pytest.mark.parametrize(
+    ("value", "depth"),
+    [
+        ("x", 0),
+        ([], 1),
+        ({"a": '[[[\\"]]]{{'}, 1),  # brackets, an escaped quote, a backslash in a string
+        (["\\", [['"[', "\\\\"]]], 3),
+        ({'a\\"': [']\\"[', {"b": {}}]}, 4),
+        ([[[[[[]]]]], [[]]], 6),
+    ],
+)
+def test_nesting_depth_counts_only_brackets_outside_strings(value: Any, depth: int) -> None:
+    assert _nesting_depth(json.dumps(value).encode()) == depth
+    assert _nesting_depth(json.dumps(value, ensure_ascii=False, indent=2).encode()) == depth
