@@ -453,7 +453,7 @@ def big_prompt_through_gateway(stack: Stack) -> None:
 
 def big_prompts_at_worker(stack: Stack) -> None:
     """Four 3 MB prompts (over --max-prompt-bytes) and two of 0.9 MB (tokenized, then too many
-    tokens) at once: health keeps answering at once, memory stays bounded."""
+    tokens) at once: health keeps answering, memory stays bounded."""
     rss_before = _rss_mb(stack.worker.proc.pid)
     peak = rss_before
     texts = ["hello world " * 250_000] * 4 + ["hello world " * 75_000] * 2

@@ -132,4 +132,6 @@ async def test_tokenizing_leaves_the_event_loop_free(servicer: WorkerServicer) -
         tick.cancel()
     assert err.violations[0][0] == "prompt" and "tokens" in err.violations[0][1]
     assert took > 0.2, "too quick to tell anything"
-    assert max(gaps) < 0.25, f"event loop blocked {max(gaps):.2f}s of {took:.2f}s"
+    # Tokenizing on the loop would block it for about `took`; a loaded machine adds some lag.
+    bound = max(0.25, took / 2)
+    assert max(gaps) < bound, f"event loop blocked {max(gaps):.2f}s of {took:.2f}s"
