@@ -18,9 +18,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway import chat, completions, errors, schemas
 from gateway.auth import ApiKeys
 from gateway.generation import ClientDisconnected, Context, Limiter
+from gateway.input_check import checked_route
+from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_BYTES
 from gateway.metrics import GatewayMetrics
 from gateway.workers import WorkerPool
 from maskwire.logs import debug_payloads
+from maskwire.text import truncate_echo
 from maskwire.tls import ClientTLS
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,9 @@ class GatewayConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     max_concurrency: int = 256
     health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0  # a worker that does not answer its health check in time is down
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # the prompt text sent to a worker (400)
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH  # nesting of a body, or of JSON sent as text (400)
     worker_dns_refresh_s: float = 10.0  # how often dns:/// worker targets are re-resolved
     # Bearer tokens accepted on /v1 (empty: no authentication), see gateway.auth.
     api_keys: tuple[str, ...] = field(default_factory=tuple)
@@ -70,15 +76,24 @@ def _error_response(err: errors.APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
+_VALIDATION_ERRORS_SHOWN = 10
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One line per pydantic error, each bounded: locations can hold the client's object keys
+    and messages can quote its values (e.g. an unknown union tag)."""
     parts = []
     first: str | None = None
-    for e in exc.errors():
+    found = exc.errors()
+    for e in found[:_VALIDATION_ERRORS_SHOWN]:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        where = ".".join(loc)
+        where = truncate_echo(".".join(loc))
         if first is None and where:
             first = where
-        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+        msg = truncate_echo(str(e.get("msg")), 512)
+        parts.append(f"{where}: {msg}" if where else msg)
+    if len(found) > _VALIDATION_ERRORS_SHOWN:
+        parts.append(f"and {len(found) - _VALIDATION_ERRORS_SHOWN} more errors")
     return "; ".join(parts) or "invalid request body", first
 
 
@@ -165,6 +180,7 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         config.workers,
         health_interval_s=config.health_interval_s,
         dns_refresh_s=config.worker_dns_refresh_s,
+        health_timeout_s=config.health_timeout_s,
         on_health=metrics.set_worker_health,
         tls=config.worker_tls,
     )
@@ -173,6 +189,8 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         limiter=Limiter(config.max_concurrency),
         metrics=metrics,
         request_timeout_s=config.request_timeout_s,
+        max_prompt_bytes=config.max_prompt_bytes,
+        max_json_depth=config.max_json_depth,
     )
     started = int(time.time())
     # Streams outlive their handler: count admitted requests, not running handlers.
@@ -195,6 +213,8 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         lifespan=lifespan,
     )
     app.state.ctx = ctx
+    # Every route checks its JSON body's nesting and text before FastAPI validates it.
+    app.router.route_class = checked_route(config.max_json_depth)
 
     @app.exception_handler(errors.APIError)
     async def _api_error(_: Request, exc: errors.APIError) -> JSONResponse:
@@ -212,6 +232,24 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error_response(errors.APIError(exc.status_code, str(exc.detail), code=None))
+
+    # Safety nets for what the input checks do not catch: both mean the request carried it (text
+    # with a lone surrogate reached an encoder; a value nested deep enough to exhaust recursion).
+    @app.exception_handler(UnicodeEncodeError)
+    async def _unencodable(_: Request, exc: UnicodeEncodeError) -> JSONResponse:
+        return _error_response(
+            errors.bad_request(
+                "the request holds text that is not valid Unicode (a lone UTF-16 surrogate, "
+                "e.g. a `\\ud800` escape that is not half of a pair)",
+                code="invalid_unicode",
+            )
+        )
+
+    @app.exception_handler(RecursionError)
+    async def _too_deep(_: Request, exc: RecursionError) -> JSONResponse:
+        return _error_response(
+            errors.bad_request("the request is nested too deeply", code="nesting_too_deep")
+        )
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, exc: ClientDisconnected) -> Response:

@@ -17,12 +17,14 @@ from gateway.generation import (
     WorkerStream,
     check_common,
     check_model,
+    check_prompt_bytes,
     event_stream,
     finish_reason,
     new_id,
     sampling,
     unless_disconnected,
 )
+from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_BYTES
 from gateway.tool_parser import (
     CallDelta,
     ContentDelta,
@@ -63,14 +65,19 @@ def template_for(info: worker_pb2.ModelInfo, override: str | None) -> ChatTempla
 
 
 def plan_chat(
-    req: schemas.ChatCompletionRequest, info: worker_pb2.ModelInfo, template_override: str | None
+    req: schemas.ChatCompletionRequest,
+    info: worker_pb2.ModelInfo,
+    template_override: str | None,
+    *,
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
 ) -> ChatPlan:
     """Everything decided before the worker is called (400s are raised here)."""
     check_common(req)
     if req.top_logprobs is not None:
         raise errors.unsupported("top_logprobs")
     tp = tools.plan(req)
-    spec = constraints.from_request(req)
+    spec = constraints.from_request(req, max_json_depth)
     extra_stop: list[str] = []
     parser: Callable[[], OutputParser] = PlainText
     constraint = spec.constraint if spec else None
@@ -93,7 +100,8 @@ def plan_chat(
         else:
             name = tp.named or ""
             parser = lambda: NamedCallParser(name)  # noqa: E731
-    prompt = build_prompt(template_for(info, template_override), req, tp)
+    prompt = build_prompt(template_for(info, template_override), req, tp, max_json_depth)
+    check_prompt_bytes(prompt, max_prompt_bytes, "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     generate = worker_pb2.GenerateRequest(
         text=prompt, sampling=sampling(req, max_tokens, extra_stop), model=req.model
@@ -107,7 +115,13 @@ async def handle(
     ctx: Context, request: Request, req: schemas.ChatCompletionRequest, template: str | None
 ) -> Response:
     info = await check_model(ctx, req.model)
-    plan = plan_chat(req, info, template)
+    plan = plan_chat(
+        req,
+        info,
+        template,
+        max_prompt_bytes=ctx.max_prompt_bytes,
+        max_json_depth=ctx.max_json_depth,
+    )
     rid = new_id("chatcmpl")
     plan.generate.request_id = rid
     created = int(time.time())

@@ -13,6 +13,8 @@ from typing import Any
 
 from gateway import schemas, tools
 from gateway.errors import bad_request, unsupported
+from gateway.input_check import parse_json_text
+from gateway.limits import DEFAULT_MAX_JSON_DEPTH
 from maskwire.chat_template import ChatTemplateError, check_template, render_chat
 
 
@@ -73,10 +75,10 @@ def _text(content: str | list[schemas.ContentPart] | None, where: str) -> str:
     return "".join(parts)
 
 
-def _arguments_value(arguments: str) -> Any:
+def _arguments_value(arguments: str, where: str, max_depth: int) -> Any:
     """Templates with tool support expect arguments as a mapping (Hugging Face convention)."""
     try:
-        return json.loads(arguments)
+        return parse_json_text(arguments, where, max_depth)
     except json.JSONDecodeError:
         return arguments
 
@@ -85,8 +87,10 @@ def build_prompt(
     template: ChatTemplate,
     req: schemas.ChatCompletionRequest,
     plan: tools.ToolPlan,
+    max_depth: int = DEFAULT_MAX_JSON_DEPTH,
 ) -> str:
-    """The prompt text for a chat request (400 when the template refuses the conversation)."""
+    """The prompt text for a chat request (400 when the template refuses the conversation).
+    `max_depth` bounds the nesting of tool-call arguments (JSON text) that are parsed."""
     native = template.supports_tools
     messages: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages):
@@ -104,15 +108,24 @@ def build_prompt(
                         "type": "function",
                         "function": {
                             "name": c.function.name,
-                            "arguments": _arguments_value(c.function.arguments),
+                            "arguments": _arguments_value(
+                                c.function.arguments,
+                                f"{where}.tool_calls[{j}].function.arguments",
+                                max_depth,
+                            ),
                         },
                     }
-                    for c in m.tool_calls
+                    for j, c in enumerate(m.tool_calls)
                 ]
             else:
                 calls = "".join(
-                    tools.hermes_call_text(c.function.name, c.function.arguments)
-                    for c in m.tool_calls
+                    tools.hermes_call_text(
+                        c.function.name,
+                        c.function.arguments,
+                        f"{where}.tool_calls[{j}].function.arguments",
+                        max_depth,
+                    )
+                    for j, c in enumerate(m.tool_calls)
                 )
                 msg["content"] = f"{content}\n{calls}" if content else calls
         elif m.role == "tool":

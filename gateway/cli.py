@@ -6,6 +6,7 @@ import argparse
 import signal
 from pathlib import Path
 
+from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_BYTES
 from maskwire.discovery import add_refresh_argument
 from maskwire.tls import TLSConfigError, add_client_tls_arguments, client_tls_from_args
 
@@ -40,6 +41,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest request body accepted (default 8 MiB; 413 past it)",
     )
     parser.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_BYTES,
+        help="largest prompt text (the rendered chat or the completions prompt) sent to a "
+        "worker, in UTF-8 bytes (default 1 MiB; 400 past it)",
+    )
+    parser.add_argument(
+        "--max-json-depth",
+        type=int,
+        default=DEFAULT_MAX_JSON_DEPTH,
+        help="deepest nesting of a request body, and of JSON sent as text in a field (a schema, "
+        "tool-call arguments) (default 64; 400 past it)",
+    )
+    parser.add_argument(
         "--max-concurrency",
         type=int,
         default=256,
@@ -50,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=5.0,
         help="seconds between worker health checks (default 5)",
+    )
+    parser.add_argument(
+        "--health-timeout-s",
+        type=float,
+        default=2.0,
+        help="a worker that does not answer its health check within this is marked down "
+        "(default 2)",
     )
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING...")
     keys = parser.add_argument_group(
@@ -92,11 +114,13 @@ def run(args: argparse.Namespace) -> int:
     from maskwire.logs import setup_logging
 
     setup_logging(args.log_level)
-    for name in ("max_body_bytes", "max_concurrency"):
+    for name in ("max_body_bytes", "max_concurrency", "max_prompt_bytes", "max_json_depth"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
-    if args.request_timeout_s <= 0 or args.health_interval_s <= 0:
-        raise SystemExit("--request-timeout-s and --health-interval-s must be positive")
+    if min(args.request_timeout_s, args.health_interval_s, args.health_timeout_s) <= 0:
+        raise SystemExit(
+            "--request-timeout-s, --health-interval-s and --health-timeout-s must be positive"
+        )
     if args.max_concurrency_per_key < 0:
         raise SystemExit("--max-concurrency-per-key must be 0 (no cap) or more")
     try:
@@ -129,6 +153,9 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_concurrency=args.max_concurrency,
         health_interval_s=args.health_interval_s,
+        health_timeout_s=args.health_timeout_s,
+        max_prompt_bytes=args.max_prompt_bytes,
+        max_json_depth=args.max_json_depth,
         api_keys=tuple(api_keys),
         max_concurrency_per_key=args.max_concurrency_per_key,
         worker_tls=worker_tls,

@@ -15,12 +15,15 @@ from gateway.generation import (
     WorkerStream,
     check_common,
     check_model,
+    check_prompt_bytes,
     event_stream,
     finish_reason,
     new_id,
     sampling,
     unless_disconnected,
 )
+from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_BYTES
+from maskwire.text import truncate_echo
 from maskwire.v1 import worker_pb2
 
 ENDPOINT = "/v1/completions"
@@ -28,6 +31,10 @@ ENDPOINT = "/v1/completions"
 
 def plan_completion(
     req: schemas.CompletionRequest,
+    info: worker_pb2.ModelInfo,
+    *,
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
 ) -> tuple[worker_pb2.GenerateRequest, str | None]:
     check_common(req)
     if req.suffix:
@@ -41,6 +48,7 @@ def plan_completion(
             raise errors.unsupported("prompt", "one prompt per request (send a list of one)")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        check_prompt_bytes(prompt, max_prompt_bytes, "prompt")
         gen.text = prompt
     else:
         assert isinstance(prompt, list)
@@ -48,16 +56,34 @@ def plan_completion(
             raise errors.bad_request("the prompt is empty", "prompt")
         if req.echo:
             raise errors.unsupported("echo", "only with a text prompt")
-        gen.token_ids.ids.extend(int(t) for t in prompt)  # type: ignore[arg-type]
-    spec = constraints.from_request(req)
+        gen.token_ids.ids.extend(_token_ids(prompt, info))
+    spec = constraints.from_request(req, max_json_depth)
     if spec is not None:
         gen.constraint.CopyFrom(spec.constraint)
     return gen, spec.param if spec else None
 
 
+def _token_ids(prompt: list[Any], info: worker_pb2.ModelInfo) -> list[int]:
+    """Token ids checked against the model before they meet the proto's int32 field."""
+    if info.max_context and len(prompt) >= info.max_context:
+        raise errors.bad_request(
+            f"the prompt is {len(prompt)} tokens; the context is {info.max_context}", "prompt"
+        )
+    vocab = info.vocab_size
+    for i, t in enumerate(prompt):
+        if not 0 <= t < vocab:
+            raise errors.bad_request(
+                f"prompt[{i}] is {truncate_echo(str(t))}: token ids must be in [0, {vocab})",
+                "prompt",
+            )
+    return [int(t) for t in prompt]
+
+
 async def handle(ctx: Context, request: Request, req: schemas.CompletionRequest) -> Response:
-    await check_model(ctx, req.model)
-    gen, param = plan_completion(req)
+    info = await check_model(ctx, req.model)
+    gen, param = plan_completion(
+        req, info, max_prompt_bytes=ctx.max_prompt_bytes, max_json_depth=ctx.max_json_depth
+    )
     rid = new_id("cmpl")
     gen.request_id = rid
     created = int(time.time())

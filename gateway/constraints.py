@@ -13,6 +13,8 @@ from typing import Any
 
 from gateway import schemas
 from gateway.errors import bad_request
+from gateway.input_check import parse_json_text
+from gateway.limits import DEFAULT_MAX_JSON_DEPTH
 from maskwire.v1 import common_pb2
 
 
@@ -34,11 +36,11 @@ def json_options(
     return opts
 
 
-def schema_text(schema: Any, param: str) -> str:
+def schema_text(schema: Any, param: str, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> str:
     """Serialize a JSON Schema given as an object (or as JSON text) after a shape check."""
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
+            schema = parse_json_text(schema, param, max_depth)
         except json.JSONDecodeError as e:
             raise bad_request(f"the schema is not valid JSON: {e}", param) from e
     if isinstance(schema, bool):
@@ -69,7 +71,7 @@ def _choice(choices: list[str], param: str) -> common_pb2.Constraint:
     return common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=choices))
 
 
-def _from_structured(so: schemas.StructuredOutputs) -> ConstraintSpec:
+def _from_structured(so: schemas.StructuredOutputs, max_depth: int) -> ConstraintSpec:
     param = "structured_outputs"
     given = [
         k
@@ -91,7 +93,9 @@ def _from_structured(so: schemas.StructuredOutputs) -> ConstraintSpec:
     where = f"{param}.{given[0]}"
     opts = json_options(whitespace_flexible=so.whitespace_flexible)
     if so.json_ is not None:
-        c = common_pb2.Constraint(json_schema=schema_text(so.json_, where), json_options=opts)
+        c = common_pb2.Constraint(
+            json_schema=schema_text(so.json_, where, max_depth), json_options=opts
+        )
     elif so.json_object:
         c = common_pb2.Constraint(json_object=True, json_options=opts)
     elif so.regex is not None:
@@ -110,7 +114,7 @@ def _regex(regex: str, param: str) -> common_pb2.Constraint:
     return common_pb2.Constraint(regex=regex)
 
 
-def _from_response_format(rf: Any) -> ConstraintSpec | None:
+def _from_response_format(rf: Any, max_depth: int) -> ConstraintSpec | None:
     if isinstance(rf, schemas.ResponseFormatText):
         return None
     if isinstance(rf, schemas.ResponseFormatJsonObject):
@@ -125,14 +129,14 @@ def _from_response_format(rf: Any) -> ConstraintSpec | None:
         raise bad_request("`response_format.json_schema` needs a `schema`", param)
     return ConstraintSpec(
         common_pb2.Constraint(
-            json_schema=schema_text(spec.schema_, param),
+            json_schema=schema_text(spec.schema_, param, max_depth),
             json_options=json_options(strict=bool(spec.strict)),
         ),
         param,
     )
 
 
-def _from_guided(req: schemas._SamplingFields) -> ConstraintSpec | None:
+def _from_guided(req: schemas._SamplingFields, max_depth: int) -> ConstraintSpec | None:
     """vLLM's older top-level `guided_*` fields."""
     given = [
         k
@@ -151,7 +155,8 @@ def _from_guided(req: schemas._SamplingFields) -> ConstraintSpec | None:
     name = given[0]
     if req.guided_json is not None:
         c = common_pb2.Constraint(
-            json_schema=schema_text(req.guided_json, name), json_options=json_options()
+            json_schema=schema_text(req.guided_json, name, max_depth),
+            json_options=json_options(),
         )
     elif req.guided_regex is not None:
         c = _regex(req.guided_regex, name)
@@ -163,16 +168,19 @@ def _from_guided(req: schemas._SamplingFields) -> ConstraintSpec | None:
     return ConstraintSpec(c, name)
 
 
-def from_request(req: schemas._SamplingFields) -> ConstraintSpec | None:
-    """The request's output constraint, or None for free text. At most one source may be set."""
+def from_request(
+    req: schemas._SamplingFields, max_depth: int = DEFAULT_MAX_JSON_DEPTH
+) -> ConstraintSpec | None:
+    """The request's output constraint, or None for free text. At most one source may be set.
+    `max_depth` bounds the nesting of a schema sent as JSON text."""
     found: list[ConstraintSpec] = []
     if req.response_format is not None:
-        spec = _from_response_format(req.response_format)
+        spec = _from_response_format(req.response_format, max_depth)
         if spec is not None:
             found.append(spec)
     if req.structured_outputs is not None:
-        found.append(_from_structured(req.structured_outputs))
-    guided = _from_guided(req)
+        found.append(_from_structured(req.structured_outputs, max_depth))
+    guided = _from_guided(req, max_depth)
     if guided is not None:
         found.append(guided)
     if len(found) > 1:

@@ -7,6 +7,7 @@ from typing import Any
 import grpc
 
 from maskwire.rpc import RpcError
+from maskwire.text import MESSAGE_LIMIT, truncate_echo
 
 
 class APIError(Exception):
@@ -29,11 +30,13 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
+        """The JSON body; message and param are bounded and valid Unicode whatever they quote
+        (a worker's message, a model name, a field path), so writing the error cannot fail."""
         return {
             "error": {
-                "message": self.message,
+                "message": truncate_echo(self.message, MESSAGE_LIMIT),
                 "type": self.type,
-                "param": self.param,
+                "param": None if self.param is None else truncate_echo(self.param),
                 "code": self.code,
             }
         }
@@ -53,7 +56,7 @@ def unsupported(param: str, what: str = "") -> APIError:
 def model_not_found(model: str, served: list[str]) -> APIError:
     return APIError(
         404,
-        f"The model `{model}` does not exist; this server serves {', '.join(served) or 'no model'}",
+        f"The model `{truncate_echo(model)}` does not exist; this server serves {', '.join(served) or 'no model'}",
         param="model",
         code="model_not_found",
     )

@@ -13,8 +13,10 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from gateway import errors, schemas, sse
+from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_BYTES
 from gateway.metrics import GatewayMetrics
 from gateway.workers import WorkerPool
+from maskwire.text import utf8_len
 from maskwire.v1 import worker_pb2
 
 T = TypeVar("T")
@@ -60,6 +62,8 @@ class Context:
     limiter: Limiter
     metrics: GatewayMetrics
     request_timeout_s: float
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
 
 
 def new_id(prefix: str) -> str:
@@ -78,6 +82,18 @@ def check_common(req: schemas._SamplingFields) -> None:
         raise errors.unsupported("frequency_penalty", "only 0")
     if req.logit_bias:
         raise errors.unsupported("logit_bias")
+
+
+def check_prompt_bytes(prompt: str, limit: int, param: str) -> None:
+    """Refuse a prompt over `limit` UTF-8 bytes before a worker spends time tokenizing it."""
+    size = utf8_len(prompt)
+    if size > limit:
+        raise errors.APIError(
+            400,
+            f"the prompt is {size} bytes; the limit is {limit} (the gateway's --max-prompt-bytes)",
+            param=param,
+            code="prompt_too_large",
+        )
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

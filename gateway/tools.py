@@ -19,6 +19,9 @@ from typing import Any
 from gateway import schemas
 from gateway.constraints import json_options
 from gateway.errors import bad_request
+from gateway.input_check import parse_json_text
+from gateway.limits import DEFAULT_MAX_JSON_DEPTH
+from maskwire.text import truncate_echo
 from maskwire.v1 import common_pb2
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -58,7 +61,8 @@ def plan(req: schemas.ChatCompletionRequest) -> ToolPlan:
     if isinstance(choice, schemas.NamedToolChoice):
         if choice.function.name not in names:
             raise bad_request(
-                f"tool_choice names `{choice.function.name}`, which is not in `tools`",
+                f"tool_choice names `{truncate_echo(choice.function.name)}`, which is not in "
+                "`tools`",
                 "tool_choice",
             )
         return ToolPlan(ToolMode.NAMED, tools, parallel, choice.function.name)
@@ -127,7 +131,8 @@ def _hoist_defs(params: dict[str, Any], prefix: str, root_defs: dict[str, Any]) 
                         v = f"#/$defs/{defs[v][0]}"
                     elif v.startswith("#"):
                         raise bad_request(
-                            f"tool schemas may only reference their own $defs (got {v!r})",
+                            "tool schemas may only reference their own $defs (got "
+                            f"{truncate_echo(repr(v))})",
                             "tools",
                         )
                 out[k] = rewrite(v)
@@ -227,10 +232,12 @@ def hermes_system_prompt(tools: tuple[schemas.Tool, ...]) -> str:
     )
 
 
-def hermes_call_text(name: str, arguments: str) -> str:
+def hermes_call_text(
+    name: str, arguments: str, where: str = "arguments", max_depth: int = DEFAULT_MAX_JSON_DEPTH
+) -> str:
     """An earlier assistant call, written back into the prompt the way the model emits it."""
     try:
-        args = json.dumps(json.loads(arguments), ensure_ascii=False)
+        args = json.dumps(parse_json_text(arguments, where, max_depth), ensure_ascii=False)
     except (json.JSONDecodeError, TypeError):
         args = arguments
     return f"{tag_begin(name)}{args}{TAG_END}"

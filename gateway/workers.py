@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway import errors
 from maskwire import discovery
-from maskwire.rpc import RpcError, channel_options
+from maskwire.rpc import RpcError, client_channel_options
 from maskwire.tls import ClientTLS, make_channel
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
 
@@ -106,7 +106,7 @@ class WorkerPool:
     def _apply(self, change: discovery.Change) -> None:
         """Follow the replica set: new workers are health-checked, gone ones closed when idle."""
         for a in sorted(change.added):
-            ch = make_channel(a, self.tls, channel_options())
+            ch = make_channel(a, self.tls, client_channel_options())
             ep = WorkerEndpoint(
                 a, ch, worker_pb2_grpc.WorkerStub(ch), health_pb2_grpc.HealthStub(ch)
             )

@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
     import grpc
 
     from maskwire.chat_template import ChatTemplateError
-    from maskwire.rpc import channel_options
+    from maskwire.rpc import client_channel_options
     from maskwire.tls import make_sync_channel
     from maskwire.v1 import worker_pb2, worker_pb2_grpc
 
@@ -277,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     finish = worker_pb2.FINISH_REASON_UNSPECIFIED
     last: worker_pb2.GenerateResponse | None = None
     pieces: list[str] = []
-    with make_sync_channel(args.worker, tls, channel_options()) as channel:
+    with make_sync_channel(args.worker, tls, client_channel_options()) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         call = None
         try:

@@ -120,7 +120,10 @@ class RpcError(Exception):
     @classmethod
     def from_call_error(cls, err: grpc.aio.AioRpcError) -> RpcError:
         """Recover rich details from a failed call (falls back to code + message)."""
-        status = rpc_status.from_call(err)
+        try:
+            status = rpc_status.from_call(err)
+        except ValueError:  # details disagree with the code: gRPC replaced the status (limits)
+            status = None
         if status is not None:
             return cls.from_status(status)
         return cls(err.code(), err.details() or "")
@@ -128,6 +131,11 @@ class RpcError(Exception):
 
 _CODE_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 assert _CODE_BY_VALUE[code_pb2.INVALID_ARGUMENT] is grpc.StatusCode.INVALID_ARGUMENT
+
+
+ERROR_METADATA_BYTES = 1024 * 1024
+"""Response metadata a client accepts. A status's message and details travel in the trailers, and
+gRPC's default limit (16 KiB) replaces a long error with RESOURCE_EXHAUSTED, hiding its status."""
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -141,6 +149,18 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
+def client_channel_options(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> list[tuple[str, int]]:
+    """`channel_options` for a client, which also receives long error statuses intact (servers
+    keep gRPC's default metadata limit for what clients send them)."""
+    return [
+        *channel_options(max_message_bytes),
+        ("grpc.max_metadata_size", ERROR_METADATA_BYTES),
+        ("grpc.absolute_max_metadata_size", ERROR_METADATA_BYTES),
+    ]
+
+
 class _Undecodable:
     """Stands in for a request message whose bytes did not parse."""
 
@@ -148,12 +168,40 @@ class _Undecodable:
         self.error = error
 
 
-class UndecodableRequests(grpc.aio.ServerInterceptor):
-    """Answer INVALID_ARGUMENT, not grpcio's UNKNOWN, when a unary request's bytes don't parse.
+async def _refuse(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
+    await RpcError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"request message could not be decoded: {request.error}",
+        reason="UNDECODABLE_REQUEST",
+    ).abort(context)
 
-    grpcio deserializes before any handler runs and reports a parse failure as UNKNOWN; the
-    deserializer is wrapped so the failure reaches the handler as data and is refused there.
-    (Streaming requests are parsed lazily inside the handler, which reports its own errors.)
+
+async def _refusing(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+    """The request stream, aborted with INVALID_ARGUMENT at its first undecodable message."""
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            await _refuse(request, context)
+        yield request
+
+
+async def _forward(result: Any) -> Any:
+    """Serve a streaming handler's answer: an async generator, or a coroutine that writes with
+    context.write()."""
+    if inspect.isasyncgen(result):
+        async for item in result:
+            yield item
+    else:
+        await result
+
+
+class UndecodableRequests(grpc.aio.ServerInterceptor):
+    """Answer INVALID_ARGUMENT, not grpcio's UNKNOWN, when a request's bytes don't parse.
+
+    grpcio deserializes before a unary handler runs, and while a streaming handler iterates its
+    requests, and reports a parse failure as UNKNOWN; the deserializer is wrapped so the failure
+    reaches the handler as data and is refused there. Streaming handlers must iterate
+    `request_iterator` (not `context.read()`) for this to apply; every service here does,
+    reflection included.
     """
 
     async def intercept_service(
@@ -162,7 +210,7 @@ class UndecodableRequests(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
         parse = handler.request_deserializer
 
@@ -172,40 +220,44 @@ class UndecodableRequests(grpc.aio.ServerInterceptor):
             except Exception as e:  # protobuf DecodeError, invalid UTF-8 in a string field
                 return _Undecodable(e)
 
-        async def refuse(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
-            await RpcError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"request message could not be decoded: {request.error}",
-                reason="UNDECODABLE_REQUEST",
-            ).abort(context)
+        serialize = handler.response_serializer
+        if handler.request_streaming and handler.response_streaming:
+            bidi = handler.stream_stream
+
+            # An async generator function, as grpcio's dispatch requires of streaming handlers.
+            async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                async for item in _forward(bidi(_refusing(requests, context), context)):
+                    yield item
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, tolerant_parse, serialize)
+
+        if handler.request_streaming:
+            client_stream = handler.stream_unary
+
+            async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                return await client_stream(_refusing(requests, context), context)
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary, tolerant_parse, serialize)
 
         if handler.response_streaming:
             stream = handler.unary_stream
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 if isinstance(request, _Undecodable):
-                    await refuse(request, context)
-                result = stream(request, context)
-                if inspect.isasyncgen(result):
-                    async for item in result:
-                        yield item
-                else:  # a coroutine that writes with context.write()
-                    await result
+                    await _refuse(request, context)
+                async for item in _forward(stream(request, context)):
+                    yield item
 
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, tolerant_parse, handler.response_serializer
-            )
+            return grpc.unary_stream_rpc_method_handler(unary_stream, tolerant_parse, serialize)
 
         unary = handler.unary_unary
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, _Undecodable):
-                await refuse(request, context)
+                await _refuse(request, context)
             return await unary(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(
-            unary_unary, tolerant_parse, handler.response_serializer
-        )
+        return grpc.unary_unary_rpc_method_handler(unary_unary, tolerant_parse, serialize)
 
 
 class Server:

@@ -14,6 +14,10 @@ ECHO_LIMIT = 256
 MESSAGE_LIMIT = 4096
 """Characters of a whole error message (which may quote several values or a compiler error)."""
 
+DEFAULT_MAX_PROMPT_BYTES = 1024 * 1024
+"""Default of the gateway's and the worker's `--max-prompt-bytes` (UTF-8 bytes of prompt text
+accepted for tokenizing): equal, so a prompt through the gateway is refused there first."""
+
 
 def truncate_echo(text: str, limit: int = ECHO_LIMIT) -> str:
     """`text` made valid UTF-8 text and cut to at most `limit` characters.
@@ -28,6 +32,11 @@ def truncate_echo(text: str, limit: int = ECHO_LIMIT) -> str:
         return head
     marker = f"…[{len(text)} chars in all]"
     return (head[: max(limit - len(marker), 0)] + marker)[:limit]
+
+
+def utf8_len(text: str) -> int:
+    """Bytes of `text` in UTF-8 (lone surrogates count as the 3 bytes they would take)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 def _encodable(text: str) -> str:

@@ -103,9 +103,14 @@ class Tokenizer:
         return words_per_row(self.vocab_size)
 
     def encode(self, text: str) -> list[int]:
-        """Tokenize a prompt; special-token text such as `<|im_start|>` becomes its token."""
+        """Tokenize a prompt; special-token text such as `<|im_start|>` becomes its token.
+
+        With a Hugging Face tokenizer this releases the GIL (its batch call does, `encode` does
+        not) and skips character offsets (about 40% less memory and time): a long prompt
+        tokenized on a worker thread leaves the event loop free.
+        """
         if self.hf is not None:
-            ids = list(self.hf.encode(text, add_special_tokens=False).ids)
+            ids = list(self.hf.encode_batch_fast([text], add_special_tokens=False)[0].ids)
         else:
             ids = list(self.ll.tokenize_str(text, parse_special=True))
         if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:

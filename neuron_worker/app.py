@@ -35,6 +35,8 @@ def engine_config(args: argparse.Namespace, model_max_seq: int) -> EngineConfig:
         raise SystemExit("--max-batch-size must be >= 1")
     if args.max_queue < 0:
         raise SystemExit("--max-queue must be >= 0")
+    if args.max_prompt_bytes < 1 or args.tokenizer_threads < 1:
+        raise SystemExit("--max-prompt-bytes and --tokenizer-threads must be >= 1")
     max_seq = min(args.max_seq_len, model_max_seq)
     if max_seq < 2:
         raise SystemExit("--max-seq-len must be >= 2")
@@ -139,6 +141,8 @@ async def serve(
         model_name=model_name,
         device=args.device,
         max_prompt_tokens=args.max_prompt_tokens or config.max_seq_len - 1,
+        max_prompt_bytes=args.max_prompt_bytes,
+        tokenizer_threads=args.tokenizer_threads,
     )
     server = Server(
         host=args.host,
@@ -169,6 +173,7 @@ async def serve(
     try:
         await server.serve_until_signal(args.drain_grace_s, on_drain=on_drain)
     finally:
+        servicer.close()
         await engine.stop()
         if resolver is not None:
             await resolver.stop()

@@ -7,6 +7,7 @@ import sys
 
 from maskwire.discovery import add_refresh_argument
 from maskwire.server_args import add_grpc_server_arguments
+from maskwire.text import DEFAULT_MAX_PROMPT_BYTES
 from maskwire.tls import add_client_tls_arguments
 
 
@@ -53,6 +54,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-prompt-tokens", type=int, default=0, help="longest prompt (0: --max-seq-len - 1)"
+    )
+    p.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_BYTES,
+        help="longest text prompt in UTF-8 bytes, refused before it is tokenized "
+        f"(default {DEFAULT_MAX_PROMPT_BYTES // 1024 // 1024} MiB)",
+    )
+    p.add_argument(
+        "--tokenizer-threads",
+        type=int,
+        default=2,
+        help="prompts tokenized at once, on threads off the event loop (default 2); each holds "
+        "about 90 MB per MiB of prompt while it runs",
     )
     p.add_argument(
         "--max-prefill-tokens",

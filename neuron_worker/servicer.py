@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import secrets
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from maskwire.logs import debug_payloads
 from maskwire.rpc import FieldViolation, RpcError
+from maskwire.text import truncate_echo, utf8_len
 from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
 from neuron_worker.detokenize import Detokenizer
@@ -21,6 +24,7 @@ from neuron_worker.request import Request, Sampling
 log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
+MAX_REQUEST_ID_CHARS = 256  # ids travel in every grammar Step row and in logs
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -34,12 +38,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         model_name: str,
         device: str,
         max_prompt_tokens: int,
+        max_prompt_bytes: int,
+        tokenizer_threads: int,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.device = device
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_bytes = max_prompt_bytes
+        # Prompts are tokenized here, off the event loop (health checks and every stream keep
+        # being served); the pool's size bounds the CPU and memory tokenization takes at once.
+        self._tokenize_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="tokenize")
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ Generate
     async def Generate(
@@ -48,7 +61,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         req: Request | None = None
         done = False
         try:
-            req = self._build(request)
+            req = await self._build(request)
             await self.engine.submit(req)
             if debug_payloads():
                 log.debug("generate %s: %d prompt tokens", req.request_id, len(req.prompt))
@@ -71,57 +84,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if req is not None and not done:
                 self.engine.abort(req.request_id, "client cancelled the call")
 
-    def _build(self, msg: worker_pb2.GenerateRequest) -> Request:
-        """Validate a GenerateRequest into an engine Request (INVALID_ARGUMENT / NOT_FOUND)."""
+    async def _build(self, msg: worker_pb2.GenerateRequest) -> Request:
+        """Validate a GenerateRequest into an engine Request (INVALID_ARGUMENT / NOT_FOUND).
+
+        Every check is bounded by the limits, not by the size of what was sent; the prompt is
+        tokenized last, and only when everything else is valid.
+        """
         if msg.model and msg.model != self.model_name:
             raise RpcError(
                 grpc.StatusCode.NOT_FOUND,
-                f"model {msg.model!r} is not served here; this worker serves {self.model_name!r}",
+                f"model {truncate_echo(repr(msg.model))} is not served here; this worker serves "
+                f"{self.model_name!r}",
                 [("model", f"must be {self.model_name!r} or empty")],
                 reason="MODEL_NOT_FOUND",
             )
-        bad: list[FieldViolation] = []
-        vocab = self.tokenizer.vocab_size
-        which = msg.WhichOneof("prompt")
-        prompt: list[int] = []
-        if which == "text":
-            prompt = self.tokenizer.encode(msg.text)
-        elif which == "token_ids":
-            prompt = list(msg.token_ids.ids)
-            if any(t < 0 or t >= vocab for t in prompt):
-                bad.append(("token_ids.ids", f"every id must be in [0, {vocab})"))
-        if not prompt:
-            bad.append(("prompt", "set `text` or `token_ids` to a non-empty prompt"))
-        max_ctx = self.engine.config.max_seq_len
-        if len(prompt) > self.max_prompt_tokens or len(prompt) >= max_ctx:
-            bad.append(
-                (
-                    "prompt",
-                    f"{len(prompt)} tokens; the limit is {min(self.max_prompt_tokens, max_ctx - 1)} "
-                    f"(context {max_ctx} tokens, --max-prompt-tokens {self.max_prompt_tokens})",
-                )
-            )
-        s = msg.sampling
-        if not (0.0 <= s.temperature <= 2.0) or math.isnan(s.temperature):
-            bad.append(("sampling.temperature", "must be in [0, 2]"))
-        if not (0.0 <= s.top_p <= 1.0) or math.isnan(s.top_p):
-            bad.append(("sampling.top_p", "must be in (0, 1] (0 means 1)"))
-        if len(s.stop) > MAX_STOP_STRINGS:
-            bad.append(("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings"))
-        if any(t < 0 or t >= vocab for t in s.stop_token_ids):
-            bad.append(("sampling.stop_token_ids", f"every id must be in [0, {vocab})"))
-        constraint = msg.constraint if msg.HasField("constraint") else None
-        if constraint is not None and constraint.WhichOneof("kind") is None:
-            bad.append(("constraint", "set exactly one kind (json_schema, regex, lark, ...)"))
-        if constraint is not None and s.ignore_eos:
-            bad.append(
-                (
-                    "sampling.ignore_eos",
-                    "only for unconstrained requests: the grammar decides the end",
-                )
-            )
+        bad = self._check_fields(msg)
+        prompt, prompt_bad = await self._prompt(msg, tokenize=not bad)
+        bad = prompt_bad + bad
         if bad:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "invalid GenerateRequest", bad)
+        max_ctx = self.engine.config.max_seq_len
+        s = msg.sampling
         room = max_ctx - len(prompt)
         max_tokens = min(s.max_tokens, room) if s.max_tokens else room
         sampling = Sampling(
@@ -134,6 +117,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             stop_token_ids=frozenset(int(t) for t in s.stop_token_ids),
             ignore_eos=bool(s.ignore_eos),
         )
+        constraint = msg.constraint if msg.HasField("constraint") else None
         return Request(
             request_id=msg.request_id or f"req-{uuid.uuid4().hex[:16]}",
             prompt=prompt,
@@ -142,6 +126,85 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             constraint=constraint,
             reasoning_end_marker=msg.reasoning_end_marker,
         )
+
+    async def _prompt(
+        self, msg: worker_pb2.GenerateRequest, *, tokenize: bool
+    ) -> tuple[list[int], list[FieldViolation]]:
+        """The prompt's token ids, or what is wrong with it. A text prompt is measured in bytes
+        before it is tokenized (and not tokenized at all when `tokenize` is false); token ids
+        are counted before they are read."""
+        max_ctx = self.engine.config.max_seq_len
+        limit = min(self.max_prompt_tokens, max_ctx - 1)
+
+        def too_long(n: int) -> list[FieldViolation]:
+            return [
+                (
+                    "prompt",
+                    f"{n} tokens; the limit is {limit} (context {max_ctx} tokens, "
+                    f"--max-prompt-tokens {self.max_prompt_tokens})",
+                )
+            ]
+
+        which = msg.WhichOneof("prompt")
+        prompt: list[int] = []
+        if which == "text" and msg.text:
+            size = utf8_len(msg.text)
+            if size > self.max_prompt_bytes:
+                return [], [
+                    (
+                        "prompt",
+                        f"{size} bytes of text; the limit is {self.max_prompt_bytes} "
+                        "(--max-prompt-bytes)",
+                    )
+                ]
+            if not tokenize:
+                return [], []
+            loop = asyncio.get_running_loop()
+            prompt = await loop.run_in_executor(
+                self._tokenize_pool, self.tokenizer.encode, msg.text
+            )
+        elif which == "token_ids":
+            ids = msg.token_ids.ids
+            if len(ids) > limit:
+                return [], too_long(len(ids))
+            vocab = self.tokenizer.vocab_size
+            if any(t < 0 or t >= vocab for t in ids):
+                return [], [("token_ids.ids", f"every id must be in [0, {vocab})")]
+            prompt = list(ids)
+        if not prompt:
+            return [], [("prompt", "set `text` or `token_ids` to a non-empty prompt")]
+        if len(prompt) > limit:
+            return [], too_long(len(prompt))
+        return prompt, []
+
+    def _check_fields(self, msg: worker_pb2.GenerateRequest) -> list[FieldViolation]:
+        """Everything but the prompt."""
+        bad: list[FieldViolation] = []
+        vocab = self.tokenizer.vocab_size
+        if len(msg.request_id) > MAX_REQUEST_ID_CHARS:
+            bad.append(("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters"))
+        s = msg.sampling
+        if not (0.0 <= s.temperature <= 2.0) or math.isnan(s.temperature):
+            bad.append(("sampling.temperature", "must be in [0, 2]"))
+        if not (0.0 <= s.top_p <= 1.0) or math.isnan(s.top_p):
+            bad.append(("sampling.top_p", "must be in (0, 1] (0 means 1)"))
+        if len(s.stop) > MAX_STOP_STRINGS:
+            bad.append(("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings"))
+        if len(s.stop_token_ids) > vocab:  # more than the vocabulary: not read one by one
+            bad.append(("sampling.stop_token_ids", f"at most {vocab} ids"))
+        elif any(t < 0 or t >= vocab for t in s.stop_token_ids):
+            bad.append(("sampling.stop_token_ids", f"every id must be in [0, {vocab})"))
+        constraint = msg.constraint if msg.HasField("constraint") else None
+        if constraint is not None and constraint.WhichOneof("kind") is None:
+            bad.append(("constraint", "set exactly one kind (json_schema, regex, lark, ...)"))
+        if constraint is not None and s.ignore_eos:
+            bad.append(
+                (
+                    "sampling.ignore_eos",
+                    "only for unconstrained requests: the grammar decides the end",
+                )
+            )
+        return bad
 
     # ------------------------------------------------------------------ Abort / info
     async def Abort(

@@ -247,9 +247,8 @@ HTTP_CASES: list[HttpCase] = [
         "schema-deeply-nested",
         raw_chat_with_schema(nested_schema_text(900)),
         400,
-        "constraint_too_complex",
         param=SCHEMA_PARAM,
-        message="--max-schema-depth",
+        message="nested deeper than",  # the gateway's --max-json-depth (issue 18)
     ),
     HttpCase(
         "schema-5mb",
@@ -708,6 +707,142 @@ ACTION_CASES: list[ActionCase] = [
 ]
 
 
+# -- issue 18: hostile inputs, gateway and worker side ------------------------------------------
+# Lone surrogates in any field, token ids past int32, deep nesting, prompts over the byte limits,
+# errors that would echo megabytes, undecodable messages on streams (classes 2-5 of issue 18).
+
+LONE = "\ud800"  # json.dumps writes it as the escape `\ud800`, as a hostile client would
+ONE_MIB = 1024 * 1024
+
+
+def completion(prompt: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+
+
+def _nested_object_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def _tool(**function: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "f", **function}}
+
+
+def _surrogate(name: str, body: Any, param: str, path: str = "/v1/chat/completions") -> HttpCase:
+    return HttpCase(f"lone-surrogate-{name}", body, 400, "invalid_unicode", param, path=path)
+
+
+def _bad_token(name: str, token: int) -> HttpCase:
+    return HttpCase(
+        f"completions-token-id-{name}",
+        completion([1, token]),
+        400,
+        param="prompt",
+        message=str(token),
+        path="/v1/completions",
+    )
+
+
+ISSUE18_HTTP_CASES: list[HttpCase] = [
+    _surrogate(
+        "content", chat(messages=[{"role": "user", "content": LONE}]), "messages[0].content"
+    ),
+    _surrogate("model", chat(model=LONE), "model"),
+    _surrogate("stop", chat(stop=["ok", LONE]), "stop[1]"),
+    _surrogate("regex", chat(structured_outputs={"regex": f"a{LONE}"}), "structured_outputs.regex"),
+    _surrogate(
+        "tool-description", chat(tools=[_tool(description=LONE)]), "tools[0].function.description"
+    ),
+    _surrogate("object-key", chat(logit_bias={LONE: 1}), "logit_bias.\\ud800"),
+    _surrogate(
+        "schema-as-text",
+        chat(structured_outputs={"json": '{"description": "\\ud800"}'}),
+        "structured_outputs.json.description",
+    ),
+    _surrogate("completions-prompt", completion(LONE), "prompt", "/v1/completions"),
+    HttpCase(  # a surrogate encoded as UTF-8 bytes: json.loads lets it through too
+        "lone-surrogate-raw-utf8-bytes",
+        json.dumps(chat()).encode().replace(b"Say", b"S\xed\xa0\x80y"),
+        400,
+        "invalid_unicode",
+        "messages[0].content",
+    ),
+    _bad_token("past-uint32", 2**32),
+    _bad_token("past-int32", 2**31),
+    _bad_token("negative", -1),
+    _bad_token("at-vocab-size", VOCAB),
+    HttpCase(
+        "tool-parameters-nested-300",
+        chat(tools=[_tool(parameters=_nested_object_schema(300))], tool_choice="required"),
+        400,
+        "nesting_too_deep",
+        "tools[0].function.parameters",
+    ),
+    HttpCase(
+        "schema-text-nested-3000",
+        chat(structured_outputs={"json": nested_schema_text(3000)}),
+        400,
+        "nesting_too_deep",
+        "structured_outputs.json",
+    ),
+    HttpCase(
+        "prompt-over-max-prompt-bytes",
+        chat(messages=[{"role": "user", "content": "x" * (ONE_MIB + 1)}]),
+        400,
+        "prompt_too_large",
+        "messages",
+        message="--max-prompt-bytes",
+    ),
+    HttpCase(
+        "completions-prompt-over-max-prompt-bytes",
+        completion("x" * (ONE_MIB + 1)),
+        400,
+        "prompt_too_large",
+        "prompt",
+        path="/v1/completions",
+    ),
+]
+
+ISSUE18_WORKER_CASES: list[WorkerCase] = [
+    WorkerCase("text-over-max-prompt-bytes", gen("x" * (ONE_MIB + 1)), IA, field="prompt"),
+    WorkerCase("token-ids-100k", ids(*[1] * 100_000), IA, field="prompt"),
+    WorkerCase(
+        "stop-token-ids-more-than-vocab",
+        gen(stop_token_ids=[1] * (VOCAB + 1)),
+        IA,
+        field="sampling.stop_token_ids",
+    ),
+    WorkerCase(
+        "request-id-too-long",
+        worker_pb2.GenerateRequest(
+            request_id="r" * 100_000, text="Hi", sampling=worker_pb2.SamplingParams(max_tokens=2)
+        ),
+        IA,
+        field="request_id",
+    ),
+    # Echoed whole, the name would overflow gRPC's metadata limit: RESOURCE_EXHAUSTED.
+    WorkerCase(
+        "model-name-1mb",
+        worker_pb2.GenerateRequest(text="Hi", model="m" * ONE_MIB),
+        grpc.StatusCode.NOT_FOUND,
+        "MODEL_NOT_FOUND",
+        "model",
+    ),
+]
+
+ISSUE18_ACTION_CASES: list[ActionCase] = [
+    ActionCase("gateway-echoes-of-huge-input-are-bounded", "gateway", "bounded_echoes"),
+    ActionCase("gateway-5mb-prompt-keeps-health", "gateway", "big_prompt_through_gateway"),
+    ActionCase("worker-concurrent-big-prompts-keep-health", "worker", "big_prompts_at_worker"),
+    ActionCase("grammar-session-garbage-bytes", "grammar", "session_garbage"),
+    ActionCase("grammar-session-invalid-utf8-close", "grammar", "session_invalid_utf8"),
+    ActionCase("grammar-reflection-garbage", "grammar", "grammar_reflection_garbage"),
+    ActionCase("worker-reflection-garbage", "worker", "worker_reflection_garbage"),
+]
+
+
 def all_cases() -> list[Any]:
     from tests.robustness import hostile_grammars as hostile
 
@@ -716,6 +851,9 @@ def all_cases() -> list[Any]:
         *WORKER_CASES,
         *GRAMMAR_CASES,
         *ACTION_CASES,
+        *ISSUE18_HTTP_CASES,
+        *ISSUE18_WORKER_CASES,
+        *ISSUE18_ACTION_CASES,
         *hostile.HTTP_CASES,
         *hostile.WORKER_CASES,
         *hostile.GRAMMAR_CASES,
