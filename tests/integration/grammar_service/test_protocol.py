@@ -166,7 +166,11 @@ def test_jump_forward_tokens(client: SessionClient, smollm: Tokenizer) -> None:
     # The worker appends ff tokens itself; its next position counts them.
     nxt_tok = text_tokens(smollm, ' "')[0]
     nxt = client.step([row("j", len(ff) + 1, [nxt_tok])])
-    assert nxt.rows[0].status == OK and nxt.rows[0].position >= len(ff) + 1
+    assert m.consume_token(nxt_tok)
+    ff2 = list(m.compute_ff_tokens())  # forced again after it (none here: free string content)
+    r2 = nxt.rows[0]
+    assert r2.status == OK and list(r2.ff_tokens) == ff2
+    assert r2.position == len(ff) + 1 + len(ff2)
     # Without jump_forward no ff tokens are returned.
     client.open("nj", smollm, schema_constraint())
     assert list(client.step([row("nj", 0)]).rows[0].ff_tokens) == []
@@ -251,9 +255,7 @@ def test_finished_and_accepting_flags(client: SessionClient, smollm: Tokenizer) 
 # -- constraint kinds and bad input ------------------------------------------------------------
 
 
-def test_compile_every_kind_and_cache(
-    gs_channel: grpc.Channel, smollm: Tokenizer, testdata: object
-) -> None:
+def test_compile_every_kind_and_cache(gs_channel: grpc.Channel, smollm: Tokenizer) -> None:
     stub = grammar_pb2_grpc.GrammarServiceStub(gs_channel)
     gbnf = 'root ::= "a" [0-9]+ ws\nws ::= [ \\t]*\n'
     tags = common_pb2.StructuralTags(
@@ -290,15 +292,25 @@ def test_compile_every_kind_and_cache(
         assert first.grammar_id == again.grammar_id and again.cached and again.compile_ms == 0
         ids.append(first.grammar_id)
     assert len(set(ids)) == len(kinds)
-    # Options are part of the key.
+    # Options are part of the key: the same schema with flexible whitespace is another grammar,
+    # and the cache hands back the one that was asked for (a space after `{` only in the second).
     flex = common_pb2.Constraint(
         json_schema=json.dumps(SCHEMA),
         json_options=common_pb2.JsonOptions(whitespace_flexible=True),
     )
-    assert (
-        stub.Compile(grammar_pb2.CompileRequest(constraint=flex)).grammar_id != first.grammar_id
-        or True
-    )
+    flex_id = stub.Compile(grammar_pb2.CompileRequest(constraint=flex)).grammar_id
+    assert flex_id != ids[0]
+    again = stub.Compile(grammar_pb2.CompileRequest(constraint=flex))
+    assert again.cached and again.grammar_id == flex_id
+    brace_space = text_tokens(smollm, "{ ")
+    c = SessionClient(gs_channel)
+    try:
+        for rid, gid, ok in (("compact", ids[0], False), ("flex", flex_id, True)):
+            assert not c.open(rid, smollm, grammar_id=gid).HasField("error")
+            res = c.step([row(rid, len(brace_space), brace_space)])
+            assert (res.rows[0].status == OK) is ok, (rid, res.rows[0])
+    finally:
+        c.end()
 
 
 def test_structural_tags_accept_free_text_and_a_tool_call(
