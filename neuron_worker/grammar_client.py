@@ -270,6 +270,14 @@ class GrammarClient:
             except TimeoutError:
                 replica.mark_broken(TimeoutError(f"no answer to Open in {self.open_timeout_s}s"))
                 continue
+            except asyncio.CancelledError:
+                # The caller went away, but the service may still apply the Open: close it on the
+                # same stream, after it (an id the stream never opened is answered found=false).
+                close = grammar_pb2.Close(request_id=req.request_id)
+                asyncio.get_running_loop().create_task(
+                    replica.send(grammar_pb2.SessionRequest(close=close))
+                )
+                raise
             finally:
                 replica.opening -= 1
             opened = resp.opened
