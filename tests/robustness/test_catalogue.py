@@ -27,14 +27,7 @@ from tests.robustness.catalogue import (
     chat,
     schema_body,
 )
-from tests.robustness.stack import Stack, start_stack
-
-
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    with start_stack() as s:
-        s.assert_still_serving()  # warm every path once
-        yield s
+from tests.robustness.stack import Stack
 
 
 @pytest.fixture(scope="module")
