@@ -249,6 +249,7 @@ class GrammarClient:
 
     async def _open(self, req: GrammarRequest, exclude: Replica | None) -> list[str]:
         tried: list[str] = []
+        why: list[str] = []  # each failure, for the error (a TLS failure must be visible there)
         for replica in self._candidates(exclude):
             tried.append(replica.address)
             msg = grammar_pb2.SessionRequest(
@@ -266,9 +267,11 @@ class GrammarClient:
                 resp = await asyncio.wait_for(fut, self.open_timeout_s)
             except ReplicaDown as e:
                 log.info("open %s on %s failed: %s", req.request_id, replica.address, e)
+                why.append(str(e))
                 continue
             except TimeoutError:
                 replica.mark_broken(TimeoutError(f"no answer to Open in {self.open_timeout_s}s"))
+                why.append(f"grammar replica {replica.address}: no answer to Open")
                 continue
             except asyncio.CancelledError:
                 # The caller went away, but the service may still apply the Open: close it on the
@@ -297,7 +300,8 @@ class GrammarClient:
             grpc.StatusCode.UNAVAILABLE,
             "no grammar service replica is reachable (tried "
             + (", ".join(tried) or "none")
-            + "); constrained requests cannot run until one is back",
+            + "); constrained requests cannot run until one is back"
+            + "".join(f"; {w}" for w in why),
             reason="GRAMMAR_SERVICE_UNAVAILABLE",
         )
 
