@@ -1,10 +1,17 @@
-"""TLS refused from the client side: a real worker whose grammar-service TLS settings are wrong
-(an untrusted CA, a server name the certificate does not carry) and a real gateway whose worker
-CA is wrong fail with an error that names the TLS failure, and never fall back to plaintext.
+"""TLS refused from the client side: a real worker whose grammar-service TLS settings do not fit a
+replica (its CA did not sign the replica's certificate, or the certificate lacks the server name
+the worker expects) and a real gateway whose worker CA is wrong fail with an error that names
+each TLS failure, and never fall back to plaintext.
 
-No fallback is checked against a plaintext server in the same list: a client that retried
-without TLS would reach it and succeed (and the plaintext grammar service would count a
-session)."""
+One worker meets all three cases, as three replicas of its grammar service:
+
+* the deployment's grammar service: certificate signed by the CA the worker trusts, but not for
+  the server name the worker expects (`--grammar-tls-server-name`);
+* a grammar service whose certificate carries that name but is signed by a CA the worker does not
+  trust;
+* a plaintext grammar service: a client that retried without TLS would reach it and succeed (and
+  it would count a session).
+"""
 
 from __future__ import annotations
 
@@ -20,31 +27,34 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from maskwire.rpc import RpcError
+from maskwire.tls import client_tls
 from maskwire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.support.processes import ServiceProcess, free_port, running
 
 from .conftest import MODEL, Stack
 
+EXPECTED_NAME = "grammar.maskwire.test"  # the name the worker checks; only the stranger has it
 # How gRPC reports each refusal (any one of the spellings of the versions we run).
 UNTRUSTED = ("CERTIFICATE_VERIFY_FAILED", "certificate verify failed")
 WRONG_NAME = ("Hostname Verification Check failed", "not in peer certificate")
 NOT_TLS = ("WRONG_VERSION_NUMBER", "handshake failed")  # a TLS client facing a plaintext server
 
 
-def failures(message: str) -> dict[str, str]:
-    """`grammar replica ADDR: detail` parts of an error message, by address."""
-    return dict(re.findall(r"grammar replica (\S+?): (.*?)(?=; grammar replica |$)", message))
+@dataclass
+class Clients:
+    untrusted_grammar: ServiceProcess  # TLS, EXPECTED_NAME, certificate from an untrusted CA
+    plain_grammar: ServiceProcess  # plaintext: what a fallback would reach
+    worker: ServiceProcess  # plaintext itself; TLS (misfitting) towards its grammar replicas
+
+
+def failures(message: str, label: str = "grammar replica ") -> dict[str, str]:
+    """`{label}ADDR: detail` parts of an error message, by address."""
+    pattern = rf"{label}(127\.0\.0\.1:\d+): (.*?)(?=; {label}127\.0\.0\.1:\d+: |\)?$)"
+    return dict(re.findall(pattern, message))
 
 
 def says(text: str, spellings: tuple[str, ...]) -> bool:
     return any(s in text for s in spellings)
-
-
-@dataclass
-class Clients:
-    plain_grammar: ServiceProcess  # a plaintext grammar service: what a fallback would reach
-    wrong_ca: ServiceProcess  # worker trusting another CA for the grammar service
-    wrong_name: ServiceProcess  # worker expecting another server name
 
 
 def _metric(port: int, name: str) -> float:
@@ -59,88 +69,79 @@ def _metric(port: int, name: str) -> float:
 @pytest.fixture(scope="module")
 def clients(stack: Stack) -> Iterator[Clients]:
     pki = stack.pki
+    stranger = pki.other_ca.issue("untrusted-grammar", dns=(EXPECTED_NAME,), ips=())
     metrics_port = free_port()
     with ExitStack() as es:
-        plain = es.enter_context(
+        untrusted = es.enter_context(
             running(
                 "grammar-service",
-                ["--tokenizer", "default", "--metrics-port", str(metrics_port)],
+                [
+                    *("--tokenizer", "default"),
+                    *("--tls-cert", str(stranger.cert), "--tls-key", str(stranger.key)),
+                ],
+                tls=client_tls(ca=str(pki.other_ca.cert), server_name=EXPECTED_NAME),
+            )
+        )
+        plain = es.enter_context(
+            running(
+                "grammar-service", ["--tokenizer", "default", "--metrics-port", str(metrics_port)]
             )
         )
         plain.metrics_port = metrics_port  # type: ignore[attr-defined]
-        base = [
-            *("--model", "default", "--max-batch-size", "1", "--max-seq-len", "256"),
-            *("--grammar-service", f"{stack.grammar.address},{plain.address}"),
-            *("--grammar-tls-cert", str(pki.worker.cert), "--grammar-tls-key", str(pki.worker.key)),
-        ]
-        # Both workers load the model at the same time; wait for them together.
-        wrong_ca = ServiceProcess(
-            "worker",
-            [
-                *base,
-                *("--grammar-tls-ca", str(pki.other_ca.cert)),
-                *("--grammar-tls-server-name", "maskwire-grammar"),
-            ],
-            free_port(),
+        replicas = [stack.grammar.address, untrusted.address, plain.address]
+        worker = es.enter_context(
+            running(
+                "worker",
+                [
+                    *("--model", "default", "--max-batch-size", "1", "--max-seq-len", "256"),
+                    *("--grammar-service", ",".join(replicas)),
+                    *("--grammar-tls-ca", str(pki.ca.cert)),
+                    *("--grammar-tls-server-name", EXPECTED_NAME),
+                    *("--grammar-tls-cert", str(pki.worker.cert)),
+                    *("--grammar-tls-key", str(pki.worker.key)),
+                ],
+            )
         )
-        es.callback(wrong_ca.stop)
-        wrong_name = ServiceProcess(
-            "worker",
-            [
-                *base,
-                *("--grammar-tls-ca", str(pki.ca.cert)),
-                *("--grammar-tls-server-name", "not-the-grammar-service"),
-            ],
-            free_port(),
-        )
-        es.callback(wrong_name.stop)
-        wrong_ca.wait_ready()
-        wrong_name.wait_ready()
-        yield Clients(plain, wrong_ca, wrong_name)
+        yield Clients(untrusted, plain, worker)
 
 
-def _constrained_generate(worker: ServiceProcess) -> RpcError:
+def test_worker_with_misfitting_grammar_tls_fails_clearly_without_plaintext(
+    stack: Stack, clients: Clients
+) -> None:
+    plain_port: int = clients.plain_grammar.metrics_port  # type: ignore[attr-defined]
+    sessions = _metric(plain_port, "maskwire_grammar_live_sessions")
     req = worker_pb2.GenerateRequest(
         text="The answer is",
         sampling=worker_pb2.SamplingParams(temperature=0, max_tokens=4),
         constraint=common_pb2.Constraint(regex="(yes|no)"),
     )
-    with grpc.insecure_channel(worker.address) as ch:
-        try:
-            list(worker_pb2_grpc.WorkerStub(ch).Generate(req, timeout=60))
-        except grpc.RpcError as e:
-            return RpcError.from_call_error(e)  # type: ignore[arg-type]
-    raise AssertionError("the constrained request succeeded: some replica was reached")
-
-
-@pytest.mark.parametrize("which", ["wrong_ca", "wrong_name"])
-def test_worker_with_wrong_grammar_tls_fails_clearly_without_plaintext(
-    stack: Stack, clients: Clients, which: str
-) -> None:
-    worker: ServiceProcess = getattr(clients, which)
-    sessions = _metric(clients.plain_grammar.metrics_port, "maskwire_grammar_live_sessions")  # type: ignore[attr-defined]
-    err = _constrained_generate(worker)
-    assert err.code is grpc.StatusCode.UNAVAILABLE, err.message
-    assert err.reason == "GRAMMAR_SERVICE_UNAVAILABLE"
-    # Each replica's refusal is in the error: the TLS one for the reason of the test, the
-    # plaintext one because the worker insisted on TLS.
-    why = failures(err.message)
-    assert set(why) == {stack.grammar.address, clients.plain_grammar.address}, err.message
-    assert says(why[stack.grammar.address], UNTRUSTED if which == "wrong_ca" else WRONG_NAME), why
-    assert says(why[clients.plain_grammar.address], NOT_TLS), why
-    # The plaintext replica never got a session (no fallback), and the worker still serves
-    # unconstrained requests.
-    assert (
-        _metric(clients.plain_grammar.metrics_port, "maskwire_grammar_live_sessions")  # type: ignore[attr-defined]
-        == sessions
-    )
-    req = worker_pb2.GenerateRequest(
-        text="The capital of France is", sampling=worker_pb2.SamplingParams(max_tokens=2)
-    )
-    with grpc.insecure_channel(worker.address) as ch:
-        msgs = list(worker_pb2_grpc.WorkerStub(ch).Generate(req, timeout=60))
+    with grpc.insecure_channel(clients.worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(req, timeout=60))
+        err = RpcError.from_call_error(info.value)  # type: ignore[arg-type]
+        assert err.code is grpc.StatusCode.UNAVAILABLE, err.message
+        assert err.reason == "GRAMMAR_SERVICE_UNAVAILABLE"
+        # Every replica's refusal is in the error, each for its own reason.
+        why = failures(err.message)
+        assert set(why) == {
+            stack.grammar.address,
+            clients.untrusted_grammar.address,
+            clients.plain_grammar.address,
+        }, err.message
+        assert says(why[stack.grammar.address], WRONG_NAME), why
+        assert says(why[clients.untrusted_grammar.address], UNTRUSTED), why
+        assert says(why[clients.plain_grammar.address], NOT_TLS), why
+        # No fallback: the plaintext replica never got a session.
+        assert _metric(plain_port, "maskwire_grammar_live_sessions") == sessions
+        # The worker still serves unconstrained requests.
+        plain_req = worker_pb2.GenerateRequest(
+            text="The capital of France is", sampling=worker_pb2.SamplingParams(max_tokens=2)
+        )
+        msgs = list(stub.Generate(plain_req, timeout=60))
     assert msgs[-1].finish_reason == worker_pb2.FINISH_REASON_LENGTH
-    assert says(worker.log_text(), UNTRUSTED if which == "wrong_ca" else WRONG_NAME)
+    log = clients.worker.log_text()
+    assert says(log, WRONG_NAME) and says(log, UNTRUSTED)
 
 
 def test_gateway_with_wrong_worker_ca_fails_clearly_without_plaintext(
@@ -149,7 +150,7 @@ def test_gateway_with_wrong_worker_ca_fails_clearly_without_plaintext(
     pki = stack.pki
     gateway_args = [
         # The mTLS worker (whose CA the gateway does not trust) and a plaintext worker.
-        *("--worker", f"{stack.worker.address},{clients.wrong_ca.address}"),
+        *("--worker", f"{stack.worker.address},{clients.worker.address}"),
         *("--worker-tls-ca", str(pki.other_ca.cert), "--worker-tls-server-name", "maskwire-worker"),
         *("--worker-tls-cert", str(pki.gateway.cert), "--worker-tls-key", str(pki.gateway.key)),
     ]
@@ -158,7 +159,7 @@ def test_gateway_with_wrong_worker_ca_fails_clearly_without_plaintext(
         assert health["status"] == "degraded"
         assert {w["address"]: w["healthy"] for w in health["workers"]} == {
             stack.worker.address: False,
-            clients.wrong_ca.address: False,
+            clients.worker.address: False,
         }
         assert httpx.get(f"http://{g.address}/ready", timeout=10).status_code == 503
         r = httpx.post(
@@ -171,9 +172,9 @@ def test_gateway_with_wrong_worker_ca_fails_clearly_without_plaintext(
             timeout=60,
         )
         assert r.status_code == 503, r.text
-        message = r.json()["error"]["message"]
         # "no worker is available (ADDR: detail; ADDR: detail)": each worker's refusal.
-        why = dict(re.findall(r"(127\.0\.0\.1:\d+): (.*?)(?=; 127\.0\.0\.1:\d+: |\)$)", message))
-        assert set(why) == {stack.worker.address, clients.wrong_ca.address}, message
+        message = r.json()["error"]["message"]
+        why = failures(message, label="")
+        assert set(why) == {stack.worker.address, clients.worker.address}, message
         assert says(why[stack.worker.address], UNTRUSTED), why
-        assert says(why[clients.wrong_ca.address], NOT_TLS), why  # plaintext: refused, not used
+        assert says(why[clients.worker.address], NOT_TLS), why  # plaintext: refused, not used
