@@ -165,6 +165,7 @@ def test_cancel_while_the_grammar_open_is_unanswered_frees_the_matcher(
 ) -> None:
     """The client cancels while the worker waits for `Opened` (the grammar service is stopped):
     when the service comes back it applies the Open, and the worker must close it."""
+    lookups = stack.metric(stack.grammar_metrics, "maskwire_grammar_cache_lookups_total")
     stack.grammar.kill(signal.SIGSTOP)
     try:
         with grpc.insecure_channel(stack.worker.address) as ch:
@@ -176,6 +177,12 @@ def test_cancel_while_the_grammar_open_is_unanswered_frees_the_matcher(
             time.sleep(0.5)  # the worker has seen the cancellation
     finally:
         stack.grammar.kill(signal.SIGCONT)
+    # The service has applied the Open (it looked the constraint up) before the state is read:
+    # a leaked matcher shows from then on.
+    deadline = time.monotonic() + 30
+    while stack.metric(stack.grammar_metrics, "maskwire_grammar_cache_lookups_total") == lookups:
+        assert time.monotonic() < deadline, "the grammar service never received the Open"
+        time.sleep(0.05)
     stack.wait_for_baseline(baseline)
     assert_every_slot_free(stack, baseline)
     # The request id is free again on the worker: the same id runs to its first tokens.
