@@ -166,6 +166,7 @@ class Session:
                     grpc.StatusCode.ALREADY_EXISTS,
                     f"request {rid!r} is already open on this stream",
                     [("open.request_id", "duplicate of a live request")],
+                    reason="DUPLICATE_REQUEST",
                 )
             marker = msg.options.reasoning_end_marker.encode()
             req = Request(

@@ -386,6 +386,7 @@ class GrammarClient:
     async def _open(self, req: GrammarRequest, exclude: Replica | None) -> list[str]:
         self._check_poison(req)
         tried: list[str] = []
+        why: list[str] = []  # each failure, for the error (a TLS failure must be visible there)
         for replica in self._candidates(exclude):
             tried.append(replica.address)
             replica.opening += 1
@@ -393,12 +394,22 @@ class GrammarClient:
                 opened = await self._open_on(replica, req)
             except ReplicaDown as e:
                 log.info("open %s on %s failed: %s", req.request_id, replica.address, e)
+                why.append(str(e))
                 if e.crashed:
                     self._strike(req, replica)  # raises once the request is poison
                 continue
             except TimeoutError:
                 replica.mark_broken(TimeoutError(f"no answer to Open in {self.open_timeout_s}s"))
+                why.append(f"grammar replica {replica.address}: no answer to Open")
                 continue
+            except asyncio.CancelledError:
+                # The caller went away, but the service may still apply the Open: close it on the
+                # same stream, after it (an id the stream never opened is answered found=false).
+                close = grammar_pb2.Close(request_id=req.request_id)
+                asyncio.get_running_loop().create_task(
+                    replica.send(grammar_pb2.SessionRequest(close=close))
+                )
+                raise
             finally:
                 replica.opening -= 1
             if opened.HasField("error"):
@@ -418,7 +429,8 @@ class GrammarClient:
             grpc.StatusCode.UNAVAILABLE,
             "no grammar service replica is reachable (tried "
             + (", ".join(tried) or "none")
-            + "); constrained requests cannot run until one is back",
+            + "); constrained requests cannot run until one is back"
+            + "".join(f"; {w}" for w in why),
             reason="GRAMMAR_SERVICE_UNAVAILABLE",
         )
 

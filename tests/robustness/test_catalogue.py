@@ -30,17 +30,7 @@ from tests.robustness.catalogue import (
     chat,
     schema_body,
 )
-from tests.robustness.stack import Stack, start_stack
-
-
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    # The grammar service's compile workers abort or hang on the hostile cases' markers.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MASKWIRE_TESTING_FAULT", hostile.FAULTS)
-        with start_stack(grammar_args=("--compile-timeout-s", str(hostile.COMPILE_TIMEOUT_S))) as s:
-            s.assert_still_serving()  # warm every path once
-            yield s
+from tests.robustness.stack import Stack
 
 
 @pytest.fixture(scope="module")

@@ -39,12 +39,15 @@ class ServiceProcess:
         *,
         http: bool = False,
         tls: ClientTLS | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.command = command
         self.port = port
         self.http = http
         self.tls = tls  # how the gRPC health check reaches a TLS server
-        self.address = f"127.0.0.1:{port}"
+        self.address = f"{host}:{port}"  # `host` is passed as --host when it is not the default
+        if host != "127.0.0.1":
+            args = ["--host", host, *args]
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the process)
             prefix=f"maskwire-{command}-", suffix=".log", delete=False
         )
@@ -114,10 +117,13 @@ def running(
     http: bool = False,
     timeout_s: float = 180.0,
     tls: ClientTLS | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
 ) -> Iterator[ServiceProcess]:
     """Start a service, wait until healthy, stop it (SIGTERM) afterwards; `tls` for the health
-    check of a TLS server (`maskwire.tls.client_tls(...)`)."""
-    svc = ServiceProcess(command, args, free_port(), http=http, tls=tls)
+    check of a TLS server (`maskwire.tls.client_tls(...)`); `host`/`port` to listen on (default
+    a free port on 127.0.0.1)."""
+    svc = ServiceProcess(command, args, port or free_port(), http=http, tls=tls, host=host)
     try:
         svc.wait_ready(timeout_s)
         yield svc

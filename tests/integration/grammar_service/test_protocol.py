@@ -67,7 +67,11 @@ def limited() -> Iterator[ServiceProcess]:
     metrics_port = free_port()
     with running(
         "grammar-service",
-        ["--max-requests", "4", "--max-schema-bytes", "2048", "--metrics-port", str(metrics_port)],
+        [
+            *("--max-requests", "4", "--max-schema-bytes", "2048"),
+            *("--max-rows-per-step", "3", "--max-drafts-per-row", "2"),
+            *("--metrics-port", str(metrics_port)),
+        ],
     ) as svc:
         svc.metrics_port = metrics_port  # type: ignore[attr-defined]
         yield svc
@@ -166,10 +170,43 @@ def test_jump_forward_tokens(client: SessionClient, smollm: Tokenizer) -> None:
     # The worker appends ff tokens itself; its next position counts them.
     nxt_tok = text_tokens(smollm, ' "')[0]
     nxt = client.step([row("j", len(ff) + 1, [nxt_tok])])
-    assert nxt.rows[0].status == OK and nxt.rows[0].position >= len(ff) + 1
+    assert m.consume_token(nxt_tok)
+    ff2 = list(m.compute_ff_tokens())  # forced again after it (none here: free string content)
+    r2 = nxt.rows[0]
+    assert r2.status == OK and list(r2.ff_tokens) == ff2
+    assert r2.position == len(ff) + 1 + len(ff2)
     # Without jump_forward no ff tokens are returned.
     client.open("nj", smollm, schema_constraint())
     assert list(client.step([row("nj", 0)]).rows[0].ff_tokens) == []
+
+
+def test_out_of_range_drafts_end_acceptance_without_killing_the_request(
+    client: SessionClient, smollm: Tokenizer
+) -> None:
+    toks = text_tokens(smollm, TEXT)
+    k = 3
+    client.open("oor", smollm, schema_constraint())
+    assert client.step([row("oor", k, toks[:k])]).rows[0].status == OK
+    m = local_matcher(smollm)
+    assert m.consume_tokens(toks[:k])
+    want = [local_mask(m, smollm)]
+    for t in toks[k : k + 2]:
+        assert m.consume_token(t)
+        want.append(local_mask(m, smollm))
+    for bad in (smollm.vocab_size, smollm.vocab_size + 5, -1, -(2**31)):
+        # Drafts before the bad id are validated; it and every draft after it are not.
+        res = client.step([row("oor", k, [], [*toks[k : k + 2], bad, toks[k + 2]])])
+        r = res.rows[0]
+        assert (r.status, r.accepted_drafts, r.mask_rows, r.position) == (OK, 2, 3, k), (bad, r)
+        got = masks(res)
+        for i in range(3):
+            np.testing.assert_array_equal(got[i], want[i])
+    # A bad id as the first draft: nothing accepted, the main row only.
+    res = client.step([row("oor", k, [], [smollm.vocab_size + 1, toks[k]])])
+    assert (res.rows[0].status, res.rows[0].accepted_drafts, res.rows[0].mask_rows) == (OK, 0, 1)
+    # The request is alive and goes on from where it was.
+    nxt = client.step([row("oor", k + 1, [toks[k]])])
+    assert nxt.rows[0].status == OK and nxt.rows[0].position == k + 1
 
 
 # -- reasoning ---------------------------------------------------------------------------------
@@ -198,6 +235,54 @@ def test_reasoning_rows_are_unconstrained_until_the_marker(
     # Tokens after the marker are constrained: free text is now rejected.
     bad = client.step([row("t", marker_end + 2, text_tokens(smollm, "x"))])
     assert bad.rows[0].status == ERROR
+
+
+def test_replay_through_a_reasoning_gate(client: SessionClient, smollm: Tokenizer) -> None:
+    """Re-opening a request that was reasoning (the worker's failover): the replayed tokens go
+    through the gate first; only those after the marker reach the grammar."""
+    thinking = text_tokens(smollm, "Let me think. [1, 2] </think>")  # free text, not JSON
+    toks = text_tokens(smollm, TEXT)
+    k = len(toks) // 2
+    marker = "</think>"
+    # Past the marker: the grammar state is that of the constrained tokens alone.
+    opened = client.open(
+        "rr",
+        smollm,
+        schema_constraint(),
+        reasoning_end_marker=marker,
+        replay_tokens=thinking + toks[:k],
+    )
+    assert not opened.HasField("error") and opened.position == len(thinking) + k, opened
+    res = client.step([row("rr", len(thinking) + k)])
+    assert res.rows[0].status == OK and res.rows[0].mask_rows == 1
+    m = local_matcher(smollm)
+    assert m.consume_tokens(toks[:k])
+    np.testing.assert_array_equal(masks(res)[0], local_mask(m, smollm))
+    # Still inside the reasoning part: unconstrained until the rest of the marker arrives.
+    inside = len(thinking) - 1
+    opened = client.open(
+        "ri",
+        smollm,
+        schema_constraint(),
+        reasoning_end_marker=marker,
+        replay_tokens=thinking[:inside],
+    )
+    assert not opened.HasField("error") and opened.position == inside
+    assert client.step([row("ri", inside)]).rows[0].mask_rows == 0
+    res = client.step([row("ri", len(thinking), thinking[inside:])])
+    assert res.rows[0].status == OK and res.rows[0].mask_rows == 1
+    np.testing.assert_array_equal(masks(res)[0], local_mask(local_matcher(smollm), smollm))
+    # Tokens after the marker that the grammar rejects: the request is not opened.
+    bad = client.open(
+        "rb",
+        smollm,
+        schema_constraint(),
+        reasoning_end_marker=marker,
+        replay_tokens=thinking + text_tokens(smollm, "[1]"),
+    )
+    assert bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert RpcError.from_status(bad.error).reason == "REPLAY_REJECTED"
+    assert client.step([row("rb", 0)]).rows[0].status == UNKNOWN
 
 
 # -- per-request errors -----------------------------------------------------------------------
@@ -251,9 +336,7 @@ def test_finished_and_accepting_flags(client: SessionClient, smollm: Tokenizer) 
 # -- constraint kinds and bad input ------------------------------------------------------------
 
 
-def test_compile_every_kind_and_cache(
-    gs_channel: grpc.Channel, smollm: Tokenizer, testdata: object
-) -> None:
+def test_compile_every_kind_and_cache(gs_channel: grpc.Channel, smollm: Tokenizer) -> None:
     stub = grammar_pb2_grpc.GrammarServiceStub(gs_channel)
     gbnf = 'root ::= "a" [0-9]+ ws\nws ::= [ \\t]*\n'
     tags = common_pb2.StructuralTags(
@@ -290,15 +373,25 @@ def test_compile_every_kind_and_cache(
         assert first.grammar_id == again.grammar_id and again.cached and again.compile_ms == 0
         ids.append(first.grammar_id)
     assert len(set(ids)) == len(kinds)
-    # Options are part of the key.
+    # Options are part of the key: the same schema with flexible whitespace is another grammar,
+    # and the cache hands back the one that was asked for (a space after `{` only in the second).
     flex = common_pb2.Constraint(
         json_schema=json.dumps(SCHEMA),
         json_options=common_pb2.JsonOptions(whitespace_flexible=True),
     )
-    assert (
-        stub.Compile(grammar_pb2.CompileRequest(constraint=flex)).grammar_id != first.grammar_id
-        or True
-    )
+    flex_id = stub.Compile(grammar_pb2.CompileRequest(constraint=flex)).grammar_id
+    assert flex_id != ids[0]
+    again = stub.Compile(grammar_pb2.CompileRequest(constraint=flex))
+    assert again.cached and again.grammar_id == flex_id
+    brace_space = text_tokens(smollm, "{ ")
+    c = SessionClient(gs_channel)
+    try:
+        for rid, gid, ok in (("compact", ids[0], False), ("flex", flex_id, True)):
+            assert not c.open(rid, smollm, grammar_id=gid).HasField("error")
+            res = c.step([row(rid, len(brace_space), brace_space)])
+            assert (res.rows[0].status == OK) is ok, (rid, res.rows[0])
+    finally:
+        c.end()
 
 
 def test_structural_tags_accept_free_text_and_a_tool_call(
@@ -443,6 +536,64 @@ def test_small_steps_are_answered_dense_by_default(
         np.testing.assert_array_equal(masks(res)[0], local_mask(local_matcher(smollm), smollm))
         c.close("small")
         c.end()
+
+
+def _wait_no_live_requests(svc: ServiceProcess, timeout_s: float = 10.0) -> None:
+    """Streams of earlier tests end asynchronously: wait until the service holds no request."""
+    url = f"http://127.0.0.1:{svc.metrics_port}/metrics"  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout_s
+    while (
+        "maskwire_grammar_live_requests 0.0"
+        not in urllib.request.urlopen(url, timeout=5).read().decode()
+    ):
+        assert time.monotonic() < deadline, "requests of earlier tests are still live"
+        time.sleep(0.05)
+
+
+def test_max_drafts_per_row_truncates_the_drafts(
+    limited: ServiceProcess, smollm: Tokenizer
+) -> None:
+    """--max-drafts-per-row 2: drafts past the second are ignored, never validated."""
+    _wait_no_live_requests(limited)
+    toks = text_tokens(smollm, TEXT)
+    with channel(limited.address) as ch:
+        c = SessionClient(ch)
+        try:
+            assert not c.open("d", smollm, schema_constraint()).HasField("error")
+            res = c.step([row("d", 2, toks[:2], toks[2:7])])  # five valid drafts
+            r = res.rows[0]
+            assert (r.status, r.accepted_drafts, r.mask_rows, r.position) == (OK, 2, 3, 2), r
+            m = local_matcher(smollm)
+            assert m.consume_tokens(toks[:2])
+            got = masks(res)
+            assert got.shape == (3, smollm.words_per_row)
+            for i in range(3):
+                np.testing.assert_array_equal(got[i], local_mask(m, smollm))
+                if i < 2:
+                    assert m.consume_token(toks[2 + i])
+        finally:
+            c.end()
+
+
+def test_max_rows_per_step_refuses_a_larger_step(
+    limited: ServiceProcess, smollm: Tokenizer
+) -> None:
+    """--max-rows-per-step 3: a Step with 4 rows ends the stream with INVALID_ARGUMENT naming the
+    flag; 3 rows are answered. The stream's requests are freed."""
+    _wait_no_live_requests(limited)
+    with channel(limited.address) as ch:
+        c = SessionClient(ch)
+        for rid in ("a", "b", "c"):
+            assert not c.open(rid, smollm, schema_constraint()).HasField("error")
+        ok = c.step([row(rid, 0) for rid in ("a", "b", "c")])
+        assert [r.status for r in ok.rows] == [OK, OK, OK] and len(masks(ok)) == 3
+        with pytest.raises(grpc.RpcError) as info:
+            c.step([row(rid, 0) for rid in ("a", "b", "c", "a")])
+        err = RpcError.from_call_error(info.value)  # type: ignore[arg-type]
+        assert err.code is grpc.StatusCode.INVALID_ARGUMENT, err.message
+        assert "--max-rows-per-step" in err.message and err.violations[0][0] == "step.rows"
+        c.end()
+    _wait_no_live_requests(limited)
 
 
 def test_health_and_reflection(grammar_service: ServiceProcess, gs_channel: grpc.Channel) -> None:

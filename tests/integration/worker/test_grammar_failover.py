@@ -1,34 +1,34 @@
-"""Grammar replicas failing under a live worker: killed (replay elsewhere) and stalled (deadline)."""
+"""A grammar replica stalls under a live worker (deadline): only its requests fail.
+
+The replica-killed case (its requests continue on the other replica by replay) is
+`tests/integration/faults/test_grammar_replica_restart.py`, which kills the replica that holds
+requests and reads a log of its own."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 from collections.abc import Iterator
 
 import pytest
 
-from maskwire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from tests.integration.worker.conftest import SCHEMAS, Result, channel, chat, generate
+from maskwire.v1 import worker_pb2, worker_pb2_grpc
+from tests.integration.faults.support import (
+    assert_valid,
+    busiest_first,
+    first_tokens,
+    grammar_replicas,
+    live_requests,
+    start_constrained,
+)
+from tests.integration.worker.conftest import channel, generate
 from tests.support.processes import ServiceProcess, running
-
-# Long enough (tens of tokens) that a replica can die mid-generation.
-LIST_SCHEMA = {
-    "type": "array",
-    "items": SCHEMAS["person"],
-    "minItems": 3,
-    "maxItems": 3,
-}
 
 
 @pytest.fixture(scope="module")
 def replicas() -> Iterator[list[ServiceProcess]]:
-    with (
-        running("grammar-service", ["--tokenizer", "default"]) as a,
-        running("grammar-service", ["--tokenizer", "default"]) as b,
-    ):
-        yield [a, b]
+    with grammar_replicas(2) as r:
+        yield r
 
 
 @pytest.fixture(scope="module")
@@ -39,35 +39,18 @@ def worker(replicas: list[ServiceProcess]) -> Iterator[ServiceProcess]:
         yield w
 
 
-def _valid(r: Result) -> None:
-    import jsonschema
-
-    assert r.final.finish_reason == worker_pb2.FINISH_REASON_STOP, (r.final, r.text)
-    jsonschema.validate(json.loads(r.text), LIST_SCHEMA)
-
-
-async def _start(stub: worker_pb2_grpc.WorkerStub, n: int) -> list[asyncio.Task[Result]]:
-    constraint = common_pb2.Constraint(json_schema=json.dumps(LIST_SCHEMA))
-    return [
-        asyncio.create_task(
-            generate(stub, chat(f"Three people as JSON, set {i}."), constraint, max_tokens=120)
-        )
-        for i in range(n)
-    ]
-
-
 async def test_stalled_replica_fails_its_requests_only(
     worker: ServiceProcess, replicas: list[ServiceProcess]
 ) -> None:
-    stalled = replicas[1]
     async with channel(worker.address) as ch:
         stub = worker_pb2_grpc.WorkerStub(ch)
-        tasks = await _start(stub, 4)  # placed 2 + 2
-        await asyncio.sleep(0)
+        tasks = start_constrained(stub, 4)
         free = asyncio.create_task(
             generate(stub, "The capital of France is", max_tokens=30, ignore_eos=True)
         )
-        await asyncio.sleep(1.0)
+        await first_tokens(tasks, 1.0)
+        stalled = busiest_first(replicas)[0]  # it holds at least one request
+        held = int(live_requests(stalled))
         stalled.kill(signal.SIGSTOP)
         try:
             results = await asyncio.gather(*tasks)
@@ -75,25 +58,9 @@ async def test_stalled_replica_fails_its_requests_only(
         finally:
             stalled.kill(signal.SIGCONT)
     errors = [r for r in results if r.final.finish_reason == worker_pb2.FINISH_REASON_ERROR]
-    assert errors, "no request was on the stalled replica"
+    assert len(errors) == held, [r.final for r in results]
     assert all("did not answer" in r.final.error for r in errors)
     for r in results:
         if r not in errors:
-            _valid(r)
+            assert_valid(r)
     assert unconstrained.final.finish_reason == worker_pb2.FINISH_REASON_LENGTH
-
-
-async def test_killed_replica_requests_continue_on_the_other(
-    worker: ServiceProcess, replicas: list[ServiceProcess]
-) -> None:
-    await asyncio.sleep(1.0)  # let the stalled replica's back-off from the previous test expire
-    async with channel(worker.address) as ch:
-        stub = worker_pb2_grpc.WorkerStub(ch)
-        tasks = await _start(stub, 4)
-        await asyncio.sleep(1.5)  # mid-generation
-        assert not any(t.done() for t in tasks)
-        replicas[0].kill(signal.SIGKILL)
-        results = await asyncio.gather(*tasks)
-    for r in results:
-        _valid(r)
-    assert "re-opened" in worker.log_text()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
 import pytest
 
 from grammar_service.backend import LlgBackend
@@ -10,6 +13,7 @@ from grammar_service.compile_pool import Compiler
 from grammar_service.compiler import ParserLimits
 from grammar_service.runtime import Limits, Runtime
 from grammar_service.session import Session
+from maskwire.rpc import RpcError
 from maskwire.tokenizer import Tokenizer, load_tokenizer
 from maskwire.v1 import common_pb2, grammar_pb2
 
@@ -135,3 +139,50 @@ async def test_a_replay_past_its_budget_is_refused(tok: Tokenizer) -> None:
     assert opened.error.code == 3  # INVALID_ARGUMENT
     assert "--max-replay-ms" in opened.error.message
     assert rt.live_requests == 0
+
+
+async def test_concurrent_duplicate_open_is_refused_after_the_compile(tok: Tokenizer) -> None:
+    """Two Opens of one id racing on a stream: both pass the first check while the grammar
+    compiles (off the event loop); the re-check after the compile refuses the second with the
+    same answer as the first check (ALREADY_EXISTS, DUPLICATE_REQUEST) and frees its slot."""
+    rt = runtime(tok)
+    s = Session(rt)
+    # A constraint the fresh runtime has never compiled: both Opens wait for the compile.
+    first, second = await asyncio.gather(
+        s.open(open_msg("dup", tok, "[a-c]{2,9}")), s.open(open_msg("dup", tok, "[a-c]{2,9}"))
+    )
+    assert not first.HasField("error"), first.error
+    err = RpcError.from_status(second.error)
+    assert err.code is grpc.StatusCode.ALREADY_EXISTS, err.message
+    assert err.reason == "DUPLICATE_REQUEST"
+    assert list(err.violations) == [("open.request_id", "duplicate of a live request")]
+    assert list(s.requests) == ["dup"] and rt.live_requests == 1
+    # The one that was opened works and is closed once.
+    t = tok.encode("ab")
+    res = s.step(
+        grammar_pb2.Step(
+            step=1, rows=[grammar_pb2.StepRow(request_id="dup", new_tokens=t, position=len(t))]
+        )
+    )
+    assert res.rows[0].status == grammar_pb2.ROW_STATUS_OK and res.rows[0].accepting
+    assert s.close(grammar_pb2.Close(request_id="dup")).found and rt.live_requests == 0
+    assert not s.close(grammar_pb2.Close(request_id="dup")).found
+
+
+async def test_max_rows_per_step_limit(tok: Tokenizer) -> None:
+    s = Session(
+        Runtime(
+            tokenizers=[tok],
+            compiler=Compiler(limits=ParserLimits()),
+            cache=CompileCache(16),
+            backend=LlgBackend(2),
+            limits=Limits(max_rows_per_step=2),
+        )
+    )
+    assert not (await s.open(open_msg("a", tok))).HasField("error")
+    rows = [grammar_pb2.StepRow(request_id="a"), grammar_pb2.StepRow(request_id="ghost")]
+    assert len(s.step(grammar_pb2.Step(step=1, rows=rows)).rows) == 2
+    with pytest.raises(RpcError) as e:
+        s.step(grammar_pb2.Step(step=2, rows=[*rows, grammar_pb2.StepRow(request_id="b")]))
+    assert e.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "--max-rows-per-step" in e.value.message

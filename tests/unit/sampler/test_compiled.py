@@ -9,10 +9,13 @@ import pytest
 import torch
 import torch._dynamo
 
-from neuron_worker.sampler import MODES, Sampler, SamplingTensors, sample_tokens
+from neuron_worker.sampler import MODES, NO_TOKEN, Sampler, SamplingTensors, sample_tokens
 
-VOCAB, WIDTH = 1_000, 1_024  # compile time does not depend on the vocabulary size
+# Compile time does not depend on the vocabulary size. VOCAB is not a multiple of 32: the last
+# mask word has bits past it, and the logits have padding columns past it (WIDTH).
+VOCAB, WIDTH = 1_000, 1_024
 BUCKETS = (1, 4, 8)
+PAD_LOGIT = 1e4  # padding columns hold the largest logits: they must still never be chosen
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +38,10 @@ def mixed_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, SamplingTensors]:
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, WIDTH, generator=g) * 2
+    logits[:, VOCAB:] = PAD_LOGIT
     mask = torch.randint(-(2**31), 2**31, (n, (VOCAB + 31) // 32), generator=g, dtype=torch.int64)
     mask = mask.to(torch.int32)
+    mask[:, -1] = -1  # the bits past VOCAB are set too
     mask[0] = -1  # unconstrained row
     if n > 2:
         mask[2] = 0  # dead row
@@ -85,7 +90,53 @@ def test_greedy_graphs_compile_once() -> None:
                 logits, mask, *_tensors(greedy[n]), vocab_size=VOCAB, mode="greedy"
             )
             assert got.tolist() == want.tolist()
+            assert ((got >= 0) & (got < VOCAB) | (got == NO_TOKEN)).all() and got[0] >= 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_sample_and_filter_graphs_match_eager_within_the_vocab() -> None:
+    """Default-suite check of the random-sampling graphs, the single-row ones (the batch graphs
+    compile in the slow stage): the compiled token is the eager function's for many seeds, and
+    never a column past the vocabulary although those hold the largest logits and the mask words
+    cover them; the graphs do not recompile for new masks, seeds or parameters."""
+    s = Sampler(
+        vocab_size=VOCAB,
+        logits_size=WIDTH,
+        max_rows=1,
+        device="cpu",
+        structured_outputs=True,
+        compile=True,
+    )
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        s.warmup([1])
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for seed in range(12):
+                logits, _, _ = mixed_inputs(1, cpu, seed)
+                _, random_mask, _ = mixed_inputs(3, cpu, seed)  # row 1: constrained, random
+                for mask in (s.all_ones_mask(1), random_mask[1:2]):
+                    for mode, top_p, top_k in (
+                        ("sample", 1.0, 0),
+                        ("filter", 0.9, 0),
+                        ("filter", 1.0, 7),
+                    ):
+                        p = SamplingTensors.build(
+                            temperature=[0.5 + seed / 8],
+                            top_p=[top_p],
+                            top_k=[top_k],
+                            seed=[seed],
+                            offset=[3 * seed],
+                            n_rows=1,
+                        )
+                        assert p.mode == mode
+                        got = s(logits, mask, p)
+                        want = sample_tokens(
+                            logits, mask, *_tensors(p), vocab_size=VOCAB, mode=mode
+                        )
+                        assert got.tolist() == want.tolist(), (seed, mode)
+                        assert 0 <= int(got[0]) < VOCAB, (seed, mode, int(got[0]))
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 def _tensors(p: SamplingTensors) -> tuple[torch.Tensor, ...]:
@@ -136,8 +187,10 @@ def test_compiled_matches_eager_without_recompiling(warmed: Sampler, n: int) -> 
                     mode=mode,
                 )
                 assert got.tolist() == want.tolist()
+                assert got[0] >= 0 and ((got < VOCAB) | (got == NO_TOKEN)).all()
                 # Every mode must also cover a batch with only unconstrained rows.
-                warmed(logits, warmed.all_ones_mask(n), p)
+                out = warmed(logits, warmed.all_ones_mask(n), p)
+                assert ((out >= 0) & (out < VOCAB)).all()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
