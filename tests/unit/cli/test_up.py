@@ -15,7 +15,6 @@ import pytest
 
 from maskwire import up
 
-RUNNER = Path(__file__).with_name("run_up_with_fakes.py")
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -23,7 +22,8 @@ def start_up(tmp_path: Path, *args: str, **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
             sys.executable,
-            str(RUNNER),
+            "-m",  # a module run from ROOT, so it imports this checkout's maskwire
+            "tests.unit.cli.run_up_with_fakes",
             "--model",
             "fake",
             "--log-dir",
