@@ -10,6 +10,7 @@ with its last log lines, everything else is stopped, and the exit code is 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import signal
 import socket
@@ -28,7 +29,9 @@ if TYPE_CHECKING:
 
 DEFAULT_GATEWAY_PORT = 8000
 DEFAULT_WORKER_PORT = 50052
-DEFAULT_GRAMMAR_PORT = 50051
+# Ten ports above the worker (and the grammar-service command's own default), so replicas
+# counting up from here never reach the worker's port.
+DEFAULT_GRAMMAR_PORT = 50061
 
 SERVICE_COMMAND: list[str] = [sys.executable, "-m", "maskwire.cli"]
 """How children are started: `SERVICE_COMMAND + [command, --port, P, --host, H, ...]`."""
@@ -119,49 +122,75 @@ class Ports:
     grammar: list[int]
 
 
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (0: a free port); raises OSError when the port is taken."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    if port:
+        # As the servers themselves do: a port whose last connections linger in TIME_WAIT (a
+        # stack stopped a moment ago) is free to listen on; only a live listener makes it busy.
+        # (Not for port 0, whose pick must avoid every port held meanwhile.)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a service could listen on host:port now."""
+    try:
+        _bind(host, port).close()
+    except OSError:
+        return False
     return True
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def requested_ports(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(flag, port) for the gateway, the worker and each grammar replica; 0 = a free port.
+
+    Raises SystemExit when two of them are the same port.
+    """
+    if args.demo:
+        return [
+            ("--port", 0),
+            ("--worker-port", 0),
+            *[("--grammar-port", 0)] * args.grammar_replicas,
+        ]
+    first = args.grammar_port
+    wanted = [("--port", args.port), ("--worker-port", args.worker_port)]
+    wanted += [("--grammar-port", first + i if first else 0) for i in range(args.grammar_replicas)]
+    owner: dict[int, str] = {}
+    for flag, port in wanted:
+        if port and port in owner:
+            raise SystemExit(
+                f"maskwire up: port {port} is used twice ({owner[port]} and {flag}); "
+                "choose different ports"
+            )
+        owner[port] = flag
+    return wanted
 
 
 def choose_ports(args: argparse.Namespace) -> Ports:
-    """Resolve the port flags (0 = free port; --demo = all free) and check they are bindable."""
+    """Resolve the port flags (0 = a free port; --demo = all free) and check the chosen ones are
+    bindable."""
     host = args.host
-    if args.demo:
-        return Ports(
-            _free_port(host),
-            _free_port(host),
-            [_free_port(host) for _ in range(args.grammar_replicas)],
-        )
-    gateway = args.port or _free_port(host)
-    worker = args.worker_port or _free_port(host)
-    if args.grammar_port:
-        grammar = [args.grammar_port + i for i in range(args.grammar_replicas)]
-    else:
-        grammar = [_free_port(host) for _ in range(args.grammar_replicas)]
-    wanted = [("--port", gateway), ("--worker-port", worker)]
-    wanted += [("--grammar-port", p) for p in grammar]
-    seen: set[int] = set()
-    for flag, port in wanted:
-        if port in seen:
-            raise SystemExit(f"maskwire up: port {port} is used twice; choose different ports")
-        seen.add(port)
-        if not _port_free(host, port):
-            raise SystemExit(
-                f"maskwire up: {host}:{port} is already in use (set {flag} to another port, "
-                "or 0 for a free one; is another `maskwire up` running?)"
-            )
-    return Ports(gateway, worker, grammar)
+    # Every port stays bound until all are chosen, so a free port never repeats a chosen one.
+    with contextlib.ExitStack() as held:
+
+        def hold(flag: str, port: int) -> int:
+            try:
+                s = held.enter_context(_bind(host, port))
+            except OSError:
+                raise SystemExit(
+                    f"maskwire up: {host}:{port} is already in use (set {flag} to another port, "
+                    "or 0 for a free one; is another `maskwire up` running?)"
+                ) from None
+            return int(s.getsockname()[1])
+
+        gateway, worker, *grammar = [hold(flag, port) for flag, port in requested_ports(args)]
+        return Ports(gateway, worker, grammar)
 
 
 class _Signals:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -148,18 +149,17 @@ def test_busy_port_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_defaults() -> None:
-    import argparse
-
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)
     args = parser.parse_args([])
-    assert (args.port, args.worker_port, args.grammar_replicas, args.model, args.host) == (
-        8000,
-        50052,
-        1,
-        "default",
-        "127.0.0.1",
-    )
+    assert (
+        args.port,
+        args.worker_port,
+        args.grammar_port,
+        args.grammar_replicas,
+        args.model,
+        args.host,
+    ) == (8000, 50052, 50061, 1, "default", "127.0.0.1")
 
 
 def test_bad_exit_while_stopping_is_reported(tmp_path: Path) -> None:
@@ -175,3 +175,19 @@ def test_service_ignoring_sigterm_is_killed_after_the_grace(tmp_path: Path) -> N
     assert rc == 1
     assert "gateway did not stop within 1s: killing it" in err
     assert order(tmp_path, "stop") == ["worker", "grammar-service"]
+
+
+def test_default_ports_do_not_collide_and_chosen_ones_must_not() -> None:
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    ports = up.requested_ports(parser.parse_args(["--grammar-replicas", "3"]))
+    assert ports == [
+        ("--port", 8000),
+        ("--worker-port", 50052),
+        ("--grammar-port", 50061),
+        ("--grammar-port", 50062),
+        ("--grammar-port", 50063),
+    ]
+    clash = parser.parse_args(["--grammar-replicas", "2", "--worker-port", "50062"])
+    with pytest.raises(SystemExit, match=r"port 50062 is used twice \(--worker-port and "):
+        up.requested_ports(clash)
