@@ -69,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="grammar service processes to run (default 1)",
     )
     parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="serve Prometheus /metrics from the worker and every grammar replica, on free ports "
+        "listed in the banner (the gateway serves /metrics on its own port anyway)",
+    )
+    parser.add_argument(
         "--model", default="default", help="model SPEC (default: the embedded SmolLM2-135M)"
     )
     parser.add_argument(
@@ -120,6 +126,8 @@ class Ports:
     gateway: int
     worker: int
     grammar: list[int]
+    worker_metrics: int  # 0: no metrics server (without --metrics)
+    grammar_metrics: list[int]  # one per replica, like `grammar`
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -173,8 +181,8 @@ def requested_ports(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 
 def choose_ports(args: argparse.Namespace) -> Ports:
-    """Resolve the port flags (0 = a free port; --demo = all free) and check the chosen ones are
-    bindable."""
+    """Resolve the port flags (0 = a free port; --demo = all free), check the chosen ones are
+    bindable, and pick free metrics ports with --metrics."""
     host = args.host
     # Every port stays bound until all are chosen, so a free port never repeats a chosen one.
     with contextlib.ExitStack() as held:
@@ -190,7 +198,10 @@ def choose_ports(args: argparse.Namespace) -> Ports:
             return int(s.getsockname()[1])
 
         gateway, worker, *grammar = [hold(flag, port) for flag, port in requested_ports(args)]
-        return Ports(gateway, worker, grammar)
+        worker_metrics, *grammar_metrics = [
+            hold("--metrics", 0) if args.metrics else 0 for _ in range(len(grammar) + 1)
+        ]
+        return Ports(gateway, worker, grammar, worker_metrics, grammar_metrics)
 
 
 class _Signals:
@@ -247,13 +258,22 @@ def run(args: argparse.Namespace) -> int:
         return f"[{connect_host}]:{port}" if ":" in connect_host else f"{connect_host}:{port}"
 
     where: dict[str, str] = {}
+    metrics: dict[str, str] = {"gateway": f"http://{addr(ports.gateway)}/metrics"}
 
     def child(
-        name: str, command: str, port: int, extra: list[str], probe: Callable[[], bool]
+        name: str,
+        command: str,
+        port: int,
+        extra: list[str],
+        probe: Callable[[], bool],
+        metrics_port: int = 0,
     ) -> Child:
         argv = [*SERVICE_COMMAND, command, "--port", str(port)]
         argv += ["--host", host, *extra]
         where[name] = addr(port)
+        if metrics_port:
+            argv += ["--metrics-port", str(metrics_port)]
+            metrics[name] = f"http://{addr(metrics_port)}/metrics"
         return Child(
             name,
             argv,
@@ -269,8 +289,11 @@ def run(args: argparse.Namespace) -> int:
             port,
             ["--tokenizer", args.model],
             _grpc_probe(addr(port)),
+            metrics_port,
         )
-        for i, port in enumerate(ports.grammar)
+        for i, (port, metrics_port) in enumerate(
+            zip(ports.grammar, ports.grammar_metrics, strict=True)
+        )
     ]
     worker = child(
         "worker",
@@ -286,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
             *args.worker_arg,
         ],
         _grpc_probe(addr(ports.worker)),
+        ports.worker_metrics,
     )
     gateway_url = f"http://{addr(ports.gateway)}"
     gateway = child(
@@ -324,6 +348,7 @@ def run(args: argparse.Namespace) -> int:
                 gateway_url,
                 addr(ports.worker),
                 [addr(p) for p in ports.grammar],
+                metrics,
                 log_dir,
                 examples=not args.demo,
             )
@@ -392,7 +417,13 @@ def _report_death(c: Child, when: str = "") -> None:
 
 
 def _print_banner(
-    gateway_url: str, worker: str, grammar: list[str], log_dir: Path, *, examples: bool
+    gateway_url: str,
+    worker: str,
+    grammar: list[str],
+    metrics: dict[str, str],
+    log_dir: Path,
+    *,
+    examples: bool,
 ) -> None:
     import json
 
@@ -425,6 +456,13 @@ def _print_banner(
         f"  OpenAI-compatible REST  {gateway_url}/v1",
         f"  worker (gRPC)           {worker}",
         f"  grammar service (gRPC)  {', '.join(grammar)}",
+    ]
+    if len(metrics) > 1:  # --metrics (the gateway's alone is not worth a line)
+        lines += [
+            f"  {'metrics' if i == 0 else '':<24}{url} ({name})"
+            for i, (name, url) in enumerate(metrics.items())
+        ]
+    lines += [
         f"  logs                    {log_dir}/",
         "",
     ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -87,6 +88,9 @@ def test_demo_rejects_an_answer_that_breaks_the_schema(tmp_path: Path) -> None:
     assert rc == 1
     assert "breaks the schema" in err and "capital" in err
     assert order(tmp_path, "stop") == ["gateway", "worker", "grammar-service"]
+
+
+FREE_PORTS = ("--port", "0", "--worker-port", "0", "--grammar-port", "0")
 
 
 def wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float = 60) -> str:
@@ -191,3 +195,19 @@ def test_default_ports_do_not_collide_and_chosen_ones_must_not() -> None:
     clash = parser.parse_args(["--grammar-replicas", "2", "--worker-port", "50062"])
     with pytest.raises(SystemExit, match=r"port 50062 is used twice \(--worker-port and "):
         up.requested_ports(clash)
+
+
+def test_metrics_on_free_ports_listed_in_the_banner(tmp_path: Path) -> None:
+    proc = start_up(tmp_path, *FREE_PORTS, "--metrics", "--grammar-replicas", "2")
+    banner = wait_for_line(proc, "Press Ctrl-C to stop.")
+    proc.send_signal(signal.SIGTERM)
+    rc, _, err = finish(proc)
+    assert rc == 0, err
+    listed = dict(re.findall(r"http://127\.0\.0\.1:(\d+)/metrics \((\S+)\)", banner))
+    assert sorted(listed.values()) == ["gateway", "grammar-0", "grammar-1", "worker"]
+    passed = [
+        e.split("--metrics-port ")[1].split()[0]
+        for e in events(tmp_path)
+        if " start " in e and not e.startswith("gateway")
+    ]
+    assert sorted(passed) == sorted(p for p, name in listed.items() if name != "gateway")
