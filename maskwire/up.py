@@ -3,8 +3,12 @@
 Starts the tiers in dependency order (grammar replicas, then the worker pointed at them, then the
 gateway pointed at the worker), waits for each to pass its health check, prints where to send
 requests and runs until Ctrl-C or SIGTERM. Then it stops the tiers in reverse order (gateway,
-worker, grammar), each with a grace period to drain before SIGKILL. A child that dies is reported
-with its last log lines, everything else is stopped, and the exit code is 1.
+worker, grammar), each with a grace period to drain before SIGKILL.
+
+A child that dies is reported with its last log lines. A grammar replica is restarted on the same
+port (with backoff; the worker re-opens its requests elsewhere meanwhile and uses the replica again
+once it is back), unless it keeps dying. The worker and the gateway are not restarted: their death,
+a replica dying too often, or any death during startup stops everything with exit code 1.
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ DEFAULT_WORKER_PORT = 50052
 # Ten ports above the worker (and the grammar-service command's own default), so replicas
 # counting up from here never reach the worker's port.
 DEFAULT_GRAMMAR_PORT = 50061
+
+# A grammar replica is restarted after 1 s, 2 s, 4 s, ... (at most 8 s); dying for the fifth time
+# within a minute stops the stack.
+RESTART_LIMIT = 5
+RESTART_WINDOW_S = 60.0
+RESTART_BACKOFF_S = (1.0, 8.0)
 
 SERVICE_COMMAND: list[str] = [sys.executable, "-m", "maskwire.cli"]
 """How children are started: `SERVICE_COMMAND + [command, --port, P, --host, H, ...]`."""
@@ -66,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="grammar service processes to run (default 1)",
+        help=f"grammar service processes to run (default 1). One that dies is restarted on its "
+        f"port; dying {RESTART_LIMIT} times in {RESTART_WINDOW_S:g}s stops everything",
     )
     parser.add_argument(
         "--metrics",
@@ -325,14 +336,20 @@ def run(args: argparse.Namespace) -> int:
     signals = _Signals()
     signals.install()
     rc = 0
-    reported: set[str] = set()
+    reported: set[int | None] = set()  # pids whose death was already reported
+
+    def report(c: Child) -> None:
+        reported.add(c.pid)
+        _report_death(c)
+
     started_at = time.monotonic()
+    ready = False
     try:
         _say(f"logs in {log_dir}/")
         for tier in tiers:
             for c in tier:
-                _say(f"starting {c.name} on {where[c.name]}")
                 c.start()
+                _say(f"started {c.name} on {where[c.name]} (pid {c.pid})")
             for c in tier:
                 t0 = time.monotonic()
                 if not c.wait_ready(args.startup_timeout, signals.stop.is_set):
@@ -343,6 +360,7 @@ def run(args: argparse.Namespace) -> int:
         if signals.stop.is_set():
             _say(f"{signals.received} received during startup: stopping")
         else:
+            ready = True
             _say(f"ready in {time.monotonic() - started_at:.1f}s")
             _print_banner(
                 gateway_url,
@@ -358,12 +376,17 @@ def run(args: argparse.Namespace) -> int:
                 rc = run_demo(gateway_url, stop=signals.stop)
             else:
                 print("Press Ctrl-C to stop.", flush=True)
-                _supervise(everyone, signals)
+                _supervise(everyone, grammar, signals, report)
                 _say(f"{signals.received} received: stopping gateway, worker, grammar service")
     except ChildExited as e:
         rc = 1
-        reported.add(e.child.name)
-        _report_death(e.child)
+        report(e.child)
+        why = e.why or (
+            f"{e.child.name} is not restarted (only grammar replicas are)"
+            if ready
+            else f"{e.child.name} died during startup"
+        )
+        _say(f"{why}; stopping everything")
     except TimeoutError as e:
         rc = 1
         _say(str(e))
@@ -384,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
         if c.killed:
             rc = 1  # it ignored SIGTERM for the whole grace period (or a second Ctrl-C came)
             continue
-        if c.name in reported or c.poll() in (None, 0, -signal.SIGTERM):
+        if c.pid in reported or c.poll() in (None, 0, -signal.SIGTERM):
             continue
         rc = 1
         _report_death(c, "while stopping" if c.stopping else "")
@@ -398,14 +421,23 @@ def _grpc_probe(address: str) -> Callable[[], bool]:
     return lambda: grpc_healthy(address)
 
 
-def _supervise(children: list[Child], signals: _Signals) -> None:
-    """Block until a signal arrives; raise ChildExited as soon as any child dies."""
-    from maskwire.supervise import ChildExited
+def _supervise(
+    children: list[Child],
+    grammar: list[Child],
+    signals: _Signals,
+    report: Callable[[Child], None],
+) -> None:
+    """Block until a signal arrives, restarting grammar replicas that die; raise ChildExited
+    when another child dies or a replica keeps dying."""
+    from maskwire.supervise import RestartPolicy, watch
 
-    while not signals.stop.wait(0.2):
-        for c in children:
-            if not c.running:
-                raise ChildExited(c)
+    policies = {
+        c: RestartPolicy(
+            limit=RESTART_LIMIT, window_s=RESTART_WINDOW_S, backoff_s=RESTART_BACKOFF_S
+        )
+        for c in grammar
+    }
+    watch(children, signals.stop, policies=policies, on_death=report, say=_say)
 
 
 def _report_death(c: Child, when: str = "") -> None:
@@ -462,14 +494,14 @@ def _print_banner(
             f"  {'metrics' if i == 0 else '':<24}{url} ({name})"
             for i, (name, url) in enumerate(metrics.items())
         ]
-    lines += [
-        f"  logs                    {log_dir}/",
-        "",
-    ]
-    if not examples:
-        print("\n".join(lines), flush=True)
+    lines.append(f"  logs                    {log_dir}/")
+    if not examples:  # --demo: stops after one request, so nothing is restarted either
+        print("\n".join([*lines, ""]), flush=True)
         return
     lines += [
+        f"  restarts                a grammar replica that dies is restarted (stops if it dies "
+        f"{RESTART_LIMIT} times in {RESTART_WINDOW_S:g}s)",
+        "",
         "Try:",
         f"  curl -s {gateway_url}/v1/chat/completions -H 'Content-Type: application/json' \\",
         f"       -d {shlex.quote(body)}",

@@ -3,8 +3,10 @@
 Usage: fake_service.py COMMAND --port P --host H [ARGS...]. grammar-service and worker serve gRPC
 health, gateway serves HTTP /health, /v1/models and a canned /v1/chat/completions. Environment:
 FAKE_EVENTS (file to append "COMMAND start|stop ARGS" lines to), FAKE_CRASH=COMMAND (exit 3 a moment
-after becoming healthy), FAKE_NEVER_READY=COMMAND (never report healthy), FAKE_IGNORE_TERM=COMMAND,
-FAKE_BAD_STOP=COMMAND (exit 4 on SIGTERM), FAKE_ANSWER (chat content).
+after becoming healthy: FAKE_CRASH_AFTER seconds, default 1.5, or a comma list of them for its 1st,
+2nd, ... run, the last repeating, an empty one for a run that does not crash; runs are counted in
+FAKE_EVENTS), FAKE_NEVER_READY=COMMAND (never report healthy),
+FAKE_IGNORE_TERM=COMMAND, FAKE_BAD_STOP=COMMAND (exit 4 on SIGTERM), FAKE_ANSWER (chat content).
 """
 
 from __future__ import annotations
@@ -29,6 +31,21 @@ def record(event: str) -> None:
     if path:
         with open(path, "a") as f:
             f.write(event + "\n")
+
+
+def runs(command: str) -> int:
+    """How often `command` was started so far (this run included)."""
+    with open(os.environ["FAKE_EVENTS"]) as f:
+        return sum(line.startswith(f"{command} start") for line in f)
+
+
+def crash_after(command: str) -> float | None:
+    """Seconds this run lives after becoming healthy before it crashes; None: it does not."""
+    if os.environ.get("FAKE_CRASH") != command:
+        return None
+    delays = os.environ.get("FAKE_CRASH_AFTER", "1.5").split(",")
+    delay = delays[min(runs(command), len(delays)) - 1]
+    return float(delay) if delay else None
 
 
 def main() -> None:
@@ -58,8 +75,9 @@ def main() -> None:
         health_pb2_grpc.add_HealthServicer_to_server(servicer, grpc_server)
         grpc_server.add_insecure_port(f"{host}:{port}")
         grpc_server.start()
-    if os.environ.get("FAKE_CRASH") == command:
-        time.sleep(1.5)
+    crash = crash_after(command)
+    if crash is not None:
+        time.sleep(crash)
         print(f"fake {command}: boom, something broke", flush=True)
         sys.exit(3)
     stop.wait()

@@ -9,4 +9,5 @@ from maskwire import up
 from maskwire.cli import main
 
 up.SERVICE_COMMAND = [sys.executable, str(Path(__file__).with_name("fake_service.py"))]
+up.RESTART_BACKOFF_S = (0.1, 0.2)  # the policy's shape at test speed
 sys.exit(main(["up", *sys.argv[1:]]))

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from maskwire import up
+from maskwire.supervise import RestartPolicy
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -93,12 +94,15 @@ def test_demo_rejects_an_answer_that_breaks_the_schema(tmp_path: Path) -> None:
 FREE_PORTS = ("--port", "0", "--worker-port", "0", "--grammar-port", "0")
 
 
-def wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float = 60) -> str:
-    assert proc.stdout is not None
+def wait_for_line(
+    proc: subprocess.Popen[str], needle: str, timeout: float = 60, *, stderr: bool = False
+) -> str:
+    stream = proc.stderr if stderr else proc.stdout
+    assert stream is not None
     seen = ""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        line = proc.stdout.readline()
+        line = stream.readline()
         if not line:
             break
         seen += line
@@ -109,7 +113,7 @@ def wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float = 60)
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_everything_in_reverse_order(tmp_path: Path, sig: int) -> None:
-    proc = start_up(tmp_path, "--port", "0", "--worker-port", "0", "--grammar-port", "0")
+    proc = start_up(tmp_path, *FREE_PORTS)
     banner = wait_for_line(proc, "Press Ctrl-C to stop.")
     assert "OpenAI-compatible REST  http://127.0.0.1:" in banner
     proc.send_signal(sig)
@@ -122,15 +126,63 @@ def test_signal_stops_everything_in_reverse_order(tmp_path: Path, sig: int) -> N
 
 
 def test_child_death_is_reported_with_its_last_lines(tmp_path: Path) -> None:
-    proc = start_up(
-        tmp_path, "--port", "0", "--worker-port", "0", "--grammar-port", "0", FAKE_CRASH="worker"
-    )
+    proc = start_up(tmp_path, *FREE_PORTS, FAKE_CRASH="worker")
     rc, _, err = finish(proc)
     assert rc == 1
     assert "worker (pid" in err and "died: exit code 3" in err
     assert "    fake worker: boom, something broke" in err
     assert "full log:" in err and "worker.log" in err
+    assert "worker is not restarted (only grammar replicas are); stopping everything" in err
     assert order(tmp_path, "stop")[-2:] == ["gateway", "grammar-service"]
+
+
+def kill_grammar_once_up(proc: subprocess.Popen[str]) -> str:
+    """Wait for the stack, SIGKILL its grammar service; what `up` logged until then."""
+    log = wait_for_line(proc, "ready in", stderr=True)
+    pid = re.search(r"started grammar on \S+ \(pid (\d+)\)", log)
+    assert pid is not None, log
+    os.kill(int(pid.group(1)), signal.SIGKILL)
+    return log
+
+
+def test_dead_grammar_replica_is_restarted_on_its_port(tmp_path: Path) -> None:
+    proc = start_up(tmp_path, *FREE_PORTS, "--metrics", "--no-show-logs")
+    kill_grammar_once_up(proc)
+    banner = wait_for_line(proc, "Press Ctrl-C to stop.")
+    assert "a grammar replica that dies is restarted (stops if it dies 5 times in 60s)" in banner
+    log = wait_for_line(proc, "grammar is healthy again (restart 1)", stderr=True)
+    assert "grammar (pid" in log and "died: signal SIGKILL" in log
+    assert "restarting grammar in 0.1s (restart 1; giving up if it dies 5 times in 60s)" in log
+    proc.send_signal(signal.SIGTERM)
+    rc, _, err = finish(proc)
+    assert rc == 0, log + err
+    assert order(tmp_path, "stop") == ["gateway", "worker", "grammar-service"]
+    first, again = [e for e in events(tmp_path) if e.startswith("grammar-service start")]
+    assert first == again and "--metrics-port" in first  # same port, same metrics port
+    grammar_log = (tmp_path / "logs" / "grammar.log").read_text()
+    assert grammar_log.count("fake grammar-service: listening") == 2
+    assert "\n----- restart 1 -----\n" in grammar_log
+
+
+def test_grammar_replica_that_keeps_dying_stops_everything(tmp_path: Path) -> None:
+    # Killed once the stack is up, then every restart crashes at once.
+    proc = start_up(tmp_path, *FREE_PORTS, FAKE_CRASH="grammar-service", FAKE_CRASH_AFTER=",0")
+    kill_grammar_once_up(proc)
+    rc, _, err = finish(proc)
+    assert rc == 1
+    assert "grammar died 5 times in 60s: giving up; stopping everything" in err
+    assert err.count("restarting grammar in") == 4
+    assert len(order(tmp_path, "start")) == 5 + 2
+    assert order(tmp_path, "stop") == ["gateway", "worker"]
+
+
+def test_restart_policy_backs_off_then_gives_up() -> None:
+    policy = RestartPolicy(limit=3, window_s=10.0, backoff_s=(1.0, 1.5))
+    assert policy.on_death(100.0) == 1.0
+    assert policy.on_death(101.0) == 1.5  # doubled, capped
+    assert policy.on_death(102.0) is None  # the third death within 10 s
+    fresh = RestartPolicy(limit=3, window_s=10.0, backoff_s=(1.0, 8.0))
+    assert [fresh.on_death(t) for t in (0.0, 5.0, 12.0, 30.0)] == [1.0, 2.0, 2.0, 1.0]
 
 
 def test_service_that_never_gets_healthy_times_out(tmp_path: Path) -> None:
