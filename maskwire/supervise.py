@@ -2,8 +2,8 @@
 
 Used by `maskwire up`. Each child is `python -m maskwire.cli <command> --port P ...` in its own
 process group (so a terminal Ctrl-C reaches only the supervisor, which then stops the children in
-the order it chooses), with a parent-death signal on Linux so children never outlive a killed
-supervisor. Output goes line by line to a log file and, optionally, to stderr with a name prefix.
+the order it chooses), told in its environment to take a parent-death signal on Linux so children
+never outlive a killed supervisor (`maskwire.lifeline`). Output goes line by line to a log file and, optionally, to stderr with a name prefix.
 A child can be started again after it died (same command line, its log appended to); a
 `RestartPolicy` says how long to wait first and when to give up.
 """
@@ -11,11 +11,9 @@ A child can be started again after it died (same command line, its log appended 
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -26,6 +24,8 @@ from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from maskwire.lifeline import supervised_env
 
 TAIL_LINES = 40
 
@@ -69,17 +69,6 @@ class RestartPolicy:
         return f"{self.limit} times in {self.window_s:g}s"
 
 
-def _parent_death_signal() -> None:
-    # Runs in the child between fork and exec: ask Linux to SIGTERM it when the supervisor dies.
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            pr_set_pdeathsig = 1
-            libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-        except (OSError, AttributeError):
-            pass
-
-
 def grpc_healthy(address: str, timeout_s: float = 2.0) -> bool:
     """True when the gRPC server at `address` reports SERVING for the overall health check."""
     with grpc.insecure_channel(address) as ch:
@@ -119,7 +108,7 @@ class Child:
         self.log_path = log_path
         self.probe = probe
         self.echo = echo
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **supervised_env(), **(env or {})}
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = False
@@ -145,7 +134,6 @@ class Child:
             stderr=subprocess.STDOUT,
             env=self.env,
             process_group=0,
-            preexec_fn=_parent_death_signal,
         )
         self._reader = threading.Thread(
             target=self._relay, args=(self.proc,), name=f"log-{self.name}", daemon=True

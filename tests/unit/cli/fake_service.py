@@ -1,6 +1,6 @@
 """A stand-in for `maskwire <command>` used by the `maskwire up` tests: health only, no model.
 
-Usage: fake_service.py COMMAND --port P --host H [ARGS...]. grammar-service and worker serve gRPC
+Usage: python -m tests.unit.cli.fake_service COMMAND --port P --host H [ARGS...]. grammar-service and worker serve gRPC
 health, gateway serves HTTP /health, /v1/models and a canned /v1/chat/completions. Environment:
 FAKE_EVENTS (file to append "COMMAND start|stop ARGS" lines to), FAKE_CRASH=COMMAND (exit 3 a moment
 after becoming healthy: FAKE_CRASH_AFTER seconds, default 1.5, or a comma list of them for its 1st,
@@ -22,6 +22,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from maskwire.lifeline import hold_on
 
 ANSWER = '{"name": "France", "capital": "Paris", "population": 67000000}'
 
@@ -49,6 +51,7 @@ def crash_after(command: str) -> float | None:
 
 
 def main() -> None:
+    hold_on()  # as `maskwire.cli` does
     command, rest = sys.argv[1], sys.argv[2:]
     port = int(rest[rest.index("--port") + 1])
     host = rest[rest.index("--host") + 1]

@@ -185,6 +185,18 @@ def test_restart_policy_backs_off_then_gives_up() -> None:
     assert [fresh.on_death(t) for t in (0.0, 5.0, 12.0, 30.0)] == [1.0, 2.0, 2.0, 1.0]
 
 
+def test_children_end_when_up_is_killed(tmp_path: Path) -> None:
+    proc = start_up(tmp_path, *FREE_PORTS, "--no-show-logs")
+    wait_for_line(proc, "ready in", stderr=True)
+    proc.kill()
+    proc.communicate(timeout=10)
+    # Each child got the parent-death SIGTERM and stopped as it would on Ctrl-C.
+    deadline = time.monotonic() + 20
+    while len(order(tmp_path, "stop")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sorted(order(tmp_path, "stop")) == ["gateway", "grammar-service", "worker"]
+
+
 def test_service_that_never_gets_healthy_times_out(tmp_path: Path) -> None:
     rc, _, err = finish(
         start_up(tmp_path, "--demo", "--startup-timeout", "3", FAKE_NEVER_READY="worker")
