@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from maskwire.lifeline import hold_on
+
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "grammar-service": ("grammar_service.cli", "run the gRPC grammar service (CPU)"),
     "worker": ("neuron_worker.cli", "run the device worker (model + sampler)"),
@@ -31,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hold_on()  # end with `maskwire up` when it started this process
     args = build_parser().parse_args(argv)
     return int(args._run(args) or 0)
 

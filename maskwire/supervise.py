@@ -2,28 +2,30 @@
 
 Used by `maskwire up`. Each child is `python -m maskwire.cli <command> --port P ...` in its own
 process group (so a terminal Ctrl-C reaches only the supervisor, which then stops the children in
-the order it chooses), with a parent-death signal on Linux so children never outlive a killed
-supervisor. Output goes line by line to a log file and, optionally, to stderr with a name prefix.
+the order it chooses), told in its environment to take a parent-death signal on Linux so children
+never outlive a killed supervisor (`maskwire.lifeline`). Output goes line by line to a log file and, optionally, to stderr with a name prefix.
+A child can be started again after it died (same command line, its log appended to); a
+`RestartPolicy` says how long to wait first and when to give up.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from maskwire.lifeline import supervised_env
 
 TAIL_LINES = 40
 
@@ -31,20 +33,40 @@ TAIL_LINES = 40
 class ChildExited(RuntimeError):
     """A child process ended while it was expected to run."""
 
-    def __init__(self, child: Child) -> None:
+    def __init__(self, child: Child, why: str = "") -> None:
         self.child = child
+        self.why = why  # what the supervisor concluded, for the message after the death report
         super().__init__(f"{child.name} exited with {child.describe_exit()}")
 
 
-def _parent_death_signal() -> None:
-    # Runs in the child between fork and exec: ask Linux to SIGTERM it when the supervisor dies.
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            pr_set_pdeathsig = 1
-            libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-        except (OSError, AttributeError):
-            pass
+class RestartPolicy:
+    """Restart a dead child after a growing delay; give up when it keeps dying.
+
+    The delay starts at `backoff_s[0]` and doubles per death still inside the `window_s`
+    (capped at `backoff_s[1]`); the `limit`-th death inside the window means give up. This is
+    what a Kubernetes Deployment does for a crashing pod, minus the endless CrashLoopBackOff:
+    a local stack whose replica cannot stay up should stop and say so.
+    """
+
+    def __init__(self, *, limit: int, window_s: float, backoff_s: tuple[float, float]) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self.backoff_s = backoff_s
+        self._deaths: collections.deque[float] = collections.deque()
+
+    def on_death(self, now: float) -> float | None:
+        """Record a death at `now` (monotonic seconds); the delay before restarting, or None."""
+        self._deaths.append(now)
+        while self._deaths and self._deaths[0] <= now - self.window_s:
+            self._deaths.popleft()
+        recent = len(self._deaths)
+        if recent >= self.limit:
+            return None
+        return float(min(self.backoff_s[0] * 2 ** (recent - 1), self.backoff_s[1]))
+
+    def describe(self) -> str:
+        """When it gives up, for messages: `5 times in 60s`."""
+        return f"{self.limit} times in {self.window_s:g}s"
 
 
 def grpc_healthy(address: str, timeout_s: float = 2.0) -> bool:
@@ -86,11 +108,12 @@ class Child:
         self.log_path = log_path
         self.probe = probe
         self.echo = echo
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **supervised_env(), **(env or {})}
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = False
         self.killed = False
+        self.restarts = 0  # starts after the first
         self._reader: threading.Thread | None = None
 
     @property
@@ -98,6 +121,12 @@ class Child:
         return self.proc.pid if self.proc else None
 
     def start(self) -> None:
+        """Start the process; after the first time, a restart: same command, log appended to."""
+        if self.proc is not None:
+            if self._reader is not None:
+                self._reader.join(timeout=2)  # the old output is in the log before the new
+            self.restarts += 1
+            self.tail.clear()
         self.proc = subprocess.Popen(
             self.argv,
             stdin=subprocess.DEVNULL,
@@ -105,16 +134,19 @@ class Child:
             stderr=subprocess.STDOUT,
             env=self.env,
             process_group=0,
-            preexec_fn=_parent_death_signal,
         )
-        self._reader = threading.Thread(target=self._relay, name=f"log-{self.name}", daemon=True)
+        self._reader = threading.Thread(
+            target=self._relay, args=(self.proc,), name=f"log-{self.name}", daemon=True
+        )
         self._reader.start()
 
-    def _relay(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
+    def _relay(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
         prefix = f"[{self.name}] "
-        with self.log_path.open("w", encoding="utf-8") as log:
-            for raw in self.proc.stdout:
+        with self.log_path.open("a" if self.restarts else "w", encoding="utf-8") as log:
+            if self.restarts:
+                log.write(f"----- restart {self.restarts} -----\n")
+            for raw in proc.stdout:
                 line = raw.decode("utf-8", errors="replace").rstrip("\n")
                 self.tail.append(line)
                 log.write(line + "\n")
@@ -220,3 +252,49 @@ def stop_in_order(
                 say(f"{c.name} did not stop within {grace_s:g}s: killing it")
                 c.kill()
             c.wait(5)
+
+
+def watch(
+    children: Sequence[Child],
+    stop: threading.Event,
+    *,
+    policies: Mapping[Child, RestartPolicy],
+    on_death: Callable[[Child], None],
+    say: Callable[[str], None] = lambda _: None,
+    interval_s: float = 0.2,
+) -> None:
+    """Block until `stop` is set, keeping the children alive.
+
+    A child with a policy that dies is reported (`on_death`) and started again after the policy's
+    delay; `say` tells when it is back and healthy. Raises `ChildExited` for a death without a
+    policy, or when the policy gives up (`why` says so).
+    """
+    restart_at: dict[Child, float] = {}
+    recovering: set[Child] = set()  # restarted, not healthy yet
+    while not stop.wait(interval_s):
+        now = time.monotonic()
+        for c in children:
+            if c in restart_at:
+                if now >= restart_at[c]:
+                    del restart_at[c]
+                    c.start()
+                    recovering.add(c)
+                    say(f"restarted {c.name} (pid {c.pid}, restart {c.restarts})")
+            elif c.running:
+                if c in recovering and c.probe():
+                    recovering.discard(c)
+                    say(f"{c.name} is healthy again (restart {c.restarts})")
+            else:
+                policy = policies.get(c)
+                if policy is None:
+                    raise ChildExited(c)
+                delay = policy.on_death(now)
+                if delay is None:
+                    raise ChildExited(c, f"{c.name} died {policy.describe()}: giving up")
+                on_death(c)
+                recovering.discard(c)
+                restart_at[c] = now + delay
+                say(
+                    f"restarting {c.name} in {delay:g}s (restart {c.restarts + 1}; "
+                    f"giving up if it dies {policy.describe()})"
+                )

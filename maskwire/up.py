@@ -3,13 +3,18 @@
 Starts the tiers in dependency order (grammar replicas, then the worker pointed at them, then the
 gateway pointed at the worker), waits for each to pass its health check, prints where to send
 requests and runs until Ctrl-C or SIGTERM. Then it stops the tiers in reverse order (gateway,
-worker, grammar), each with a grace period to drain before SIGKILL. A child that dies is reported
-with its last log lines, everything else is stopped, and the exit code is 1.
+worker, grammar), each with a grace period to drain before SIGKILL.
+
+A child that dies is reported with its last log lines. A grammar replica is restarted on the same
+port (with backoff; the worker re-opens its requests elsewhere meanwhile and uses the replica again
+once it is back), unless it keeps dying. The worker and the gateway are not restarted: their death,
+a replica dying too often, or any death during startup stops everything with exit code 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import signal
 import socket
@@ -28,7 +33,15 @@ if TYPE_CHECKING:
 
 DEFAULT_GATEWAY_PORT = 8000
 DEFAULT_WORKER_PORT = 50052
-DEFAULT_GRAMMAR_PORT = 50051
+# Ten ports above the worker (and the grammar-service command's own default), so replicas
+# counting up from here never reach the worker's port.
+DEFAULT_GRAMMAR_PORT = 50061
+
+# A grammar replica is restarted after 1 s, 2 s, 4 s, ... (at most 8 s); dying for the fifth time
+# within a minute stops the stack.
+RESTART_LIMIT = 5
+RESTART_WINDOW_S = 60.0
+RESTART_BACKOFF_S = (1.0, 8.0)
 
 SERVICE_COMMAND: list[str] = [sys.executable, "-m", "maskwire.cli"]
 """How children are started: `SERVICE_COMMAND + [command, --port, P, --host, H, ...]`."""
@@ -63,7 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="grammar service processes to run (default 1)",
+        help=f"grammar service processes to run (default 1). One that dies is restarted on its "
+        f"port; dying {RESTART_LIMIT} times in {RESTART_WINDOW_S:g}s stops everything",
+    )
+    parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="serve Prometheus /metrics from the worker and every grammar replica, on free ports "
+        "listed in the banner (the gateway serves /metrics on its own port anyway)",
     )
     parser.add_argument(
         "--model", default="default", help="model SPEC (default: the embedded SmolLM2-135M)"
@@ -117,51 +137,82 @@ class Ports:
     gateway: int
     worker: int
     grammar: list[int]
+    worker_metrics: int  # 0: no metrics server (without --metrics)
+    grammar_metrics: list[int]  # one per replica, like `grammar`
 
 
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (0: a free port); raises OSError when the port is taken."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    if port:
+        # As the servers themselves do: a port whose last connections linger in TIME_WAIT (a
+        # stack stopped a moment ago) is free to listen on; only a live listener makes it busy.
+        # (Not for port 0, whose pick must avoid every port held meanwhile.)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a service could listen on host:port now."""
+    try:
+        _bind(host, port).close()
+    except OSError:
+        return False
     return True
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def requested_ports(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(flag, port) for the gateway, the worker and each grammar replica; 0 = a free port.
+
+    Raises SystemExit when two of them are the same port.
+    """
+    if args.demo:
+        return [
+            ("--port", 0),
+            ("--worker-port", 0),
+            *[("--grammar-port", 0)] * args.grammar_replicas,
+        ]
+    first = args.grammar_port
+    wanted = [("--port", args.port), ("--worker-port", args.worker_port)]
+    wanted += [("--grammar-port", first + i if first else 0) for i in range(args.grammar_replicas)]
+    owner: dict[int, str] = {}
+    for flag, port in wanted:
+        if port and port in owner:
+            raise SystemExit(
+                f"maskwire up: port {port} is used twice ({owner[port]} and {flag}); "
+                "choose different ports"
+            )
+        owner[port] = flag
+    return wanted
 
 
 def choose_ports(args: argparse.Namespace) -> Ports:
-    """Resolve the port flags (0 = free port; --demo = all free) and check they are bindable."""
+    """Resolve the port flags (0 = a free port; --demo = all free), check the chosen ones are
+    bindable, and pick free metrics ports with --metrics."""
     host = args.host
-    if args.demo:
-        return Ports(
-            _free_port(host),
-            _free_port(host),
-            [_free_port(host) for _ in range(args.grammar_replicas)],
-        )
-    gateway = args.port or _free_port(host)
-    worker = args.worker_port or _free_port(host)
-    if args.grammar_port:
-        grammar = [args.grammar_port + i for i in range(args.grammar_replicas)]
-    else:
-        grammar = [_free_port(host) for _ in range(args.grammar_replicas)]
-    wanted = [("--port", gateway), ("--worker-port", worker)]
-    wanted += [("--grammar-port", p) for p in grammar]
-    seen: set[int] = set()
-    for flag, port in wanted:
-        if port in seen:
-            raise SystemExit(f"maskwire up: port {port} is used twice; choose different ports")
-        seen.add(port)
-        if not _port_free(host, port):
-            raise SystemExit(
-                f"maskwire up: {host}:{port} is already in use (set {flag} to another port, "
-                "or 0 for a free one; is another `maskwire up` running?)"
-            )
-    return Ports(gateway, worker, grammar)
+    # Every port stays bound until all are chosen, so a free port never repeats a chosen one.
+    with contextlib.ExitStack() as held:
+
+        def hold(flag: str, port: int) -> int:
+            try:
+                s = held.enter_context(_bind(host, port))
+            except OSError:
+                raise SystemExit(
+                    f"maskwire up: {host}:{port} is already in use (set {flag} to another port, "
+                    "or 0 for a free one; is another `maskwire up` running?)"
+                ) from None
+            return int(s.getsockname()[1])
+
+        gateway, worker, *grammar = [hold(flag, port) for flag, port in requested_ports(args)]
+        worker_metrics, *grammar_metrics = [
+            hold("--metrics", 0) if args.metrics else 0 for _ in range(len(grammar) + 1)
+        ]
+        return Ports(gateway, worker, grammar, worker_metrics, grammar_metrics)
 
 
 class _Signals:
@@ -218,13 +269,22 @@ def run(args: argparse.Namespace) -> int:
         return f"[{connect_host}]:{port}" if ":" in connect_host else f"{connect_host}:{port}"
 
     where: dict[str, str] = {}
+    metrics: dict[str, str] = {"gateway": f"http://{addr(ports.gateway)}/metrics"}
 
     def child(
-        name: str, command: str, port: int, extra: list[str], probe: Callable[[], bool]
+        name: str,
+        command: str,
+        port: int,
+        extra: list[str],
+        probe: Callable[[], bool],
+        metrics_port: int = 0,
     ) -> Child:
         argv = [*SERVICE_COMMAND, command, "--port", str(port)]
         argv += ["--host", host, *extra]
         where[name] = addr(port)
+        if metrics_port:
+            argv += ["--metrics-port", str(metrics_port)]
+            metrics[name] = f"http://{addr(metrics_port)}/metrics"
         return Child(
             name,
             argv,
@@ -240,8 +300,11 @@ def run(args: argparse.Namespace) -> int:
             port,
             ["--tokenizer", args.model],
             _grpc_probe(addr(port)),
+            metrics_port,
         )
-        for i, port in enumerate(ports.grammar)
+        for i, (port, metrics_port) in enumerate(
+            zip(ports.grammar, ports.grammar_metrics, strict=True)
+        )
     ]
     worker = child(
         "worker",
@@ -257,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
             *args.worker_arg,
         ],
         _grpc_probe(addr(ports.worker)),
+        ports.worker_metrics,
     )
     gateway_url = f"http://{addr(ports.gateway)}"
     gateway = child(
@@ -272,14 +336,20 @@ def run(args: argparse.Namespace) -> int:
     signals = _Signals()
     signals.install()
     rc = 0
-    reported: set[str] = set()
+    reported: set[int | None] = set()  # pids whose death was already reported
+
+    def report(c: Child) -> None:
+        reported.add(c.pid)
+        _report_death(c)
+
     started_at = time.monotonic()
+    ready = False
     try:
         _say(f"logs in {log_dir}/")
         for tier in tiers:
             for c in tier:
-                _say(f"starting {c.name} on {where[c.name]}")
                 c.start()
+                _say(f"started {c.name} on {where[c.name]} (pid {c.pid})")
             for c in tier:
                 t0 = time.monotonic()
                 if not c.wait_ready(args.startup_timeout, signals.stop.is_set):
@@ -290,11 +360,13 @@ def run(args: argparse.Namespace) -> int:
         if signals.stop.is_set():
             _say(f"{signals.received} received during startup: stopping")
         else:
+            ready = True
             _say(f"ready in {time.monotonic() - started_at:.1f}s")
             _print_banner(
                 gateway_url,
                 addr(ports.worker),
                 [addr(p) for p in ports.grammar],
+                metrics,
                 log_dir,
                 examples=not args.demo,
             )
@@ -304,12 +376,17 @@ def run(args: argparse.Namespace) -> int:
                 rc = run_demo(gateway_url, stop=signals.stop)
             else:
                 print("Press Ctrl-C to stop.", flush=True)
-                _supervise(everyone, signals)
+                _supervise(everyone, grammar, signals, report)
                 _say(f"{signals.received} received: stopping gateway, worker, grammar service")
     except ChildExited as e:
         rc = 1
-        reported.add(e.child.name)
-        _report_death(e.child)
+        report(e.child)
+        why = e.why or (
+            f"{e.child.name} is not restarted (only grammar replicas are)"
+            if ready
+            else f"{e.child.name} died during startup"
+        )
+        _say(f"{why}; stopping everything")
     except TimeoutError as e:
         rc = 1
         _say(str(e))
@@ -330,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
         if c.killed:
             rc = 1  # it ignored SIGTERM for the whole grace period (or a second Ctrl-C came)
             continue
-        if c.name in reported or c.poll() in (None, 0, -signal.SIGTERM):
+        if c.pid in reported or c.poll() in (None, 0, -signal.SIGTERM):
             continue
         rc = 1
         _report_death(c, "while stopping" if c.stopping else "")
@@ -344,14 +421,23 @@ def _grpc_probe(address: str) -> Callable[[], bool]:
     return lambda: grpc_healthy(address)
 
 
-def _supervise(children: list[Child], signals: _Signals) -> None:
-    """Block until a signal arrives; raise ChildExited as soon as any child dies."""
-    from maskwire.supervise import ChildExited
+def _supervise(
+    children: list[Child],
+    grammar: list[Child],
+    signals: _Signals,
+    report: Callable[[Child], None],
+) -> None:
+    """Block until a signal arrives, restarting grammar replicas that die; raise ChildExited
+    when another child dies or a replica keeps dying."""
+    from maskwire.supervise import RestartPolicy, watch
 
-    while not signals.stop.wait(0.2):
-        for c in children:
-            if not c.running:
-                raise ChildExited(c)
+    policies = {
+        c: RestartPolicy(
+            limit=RESTART_LIMIT, window_s=RESTART_WINDOW_S, backoff_s=RESTART_BACKOFF_S
+        )
+        for c in grammar
+    }
+    watch(children, signals.stop, policies=policies, on_death=report, say=_say)
 
 
 def _report_death(c: Child, when: str = "") -> None:
@@ -363,7 +449,13 @@ def _report_death(c: Child, when: str = "") -> None:
 
 
 def _print_banner(
-    gateway_url: str, worker: str, grammar: list[str], log_dir: Path, *, examples: bool
+    gateway_url: str,
+    worker: str,
+    grammar: list[str],
+    metrics: dict[str, str],
+    log_dir: Path,
+    *,
+    examples: bool,
 ) -> None:
     import json
 
@@ -396,13 +488,20 @@ def _print_banner(
         f"  OpenAI-compatible REST  {gateway_url}/v1",
         f"  worker (gRPC)           {worker}",
         f"  grammar service (gRPC)  {', '.join(grammar)}",
-        f"  logs                    {log_dir}/",
-        "",
     ]
-    if not examples:
-        print("\n".join(lines), flush=True)
+    if len(metrics) > 1:  # --metrics (the gateway's alone is not worth a line)
+        lines += [
+            f"  {'metrics' if i == 0 else '':<24}{url} ({name})"
+            for i, (name, url) in enumerate(metrics.items())
+        ]
+    lines.append(f"  logs                    {log_dir}/")
+    if not examples:  # --demo: stops after one request, so nothing is restarted either
+        print("\n".join([*lines, ""]), flush=True)
         return
     lines += [
+        f"  restarts                a grammar replica that dies is restarted (stops if it dies "
+        f"{RESTART_LIMIT} times in {RESTART_WINDOW_S:g}s)",
+        "",
         "Try:",
         f"  curl -s {gateway_url}/v1/chat/completions -H 'Content-Type: application/json' \\",
         f"       -d {shlex.quote(body)}",

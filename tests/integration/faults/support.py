@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import jsonschema
-from prometheus_client.parser import text_string_to_metric_families
 
 from maskwire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.integration.worker.conftest import SCHEMAS, Result, chat, generate
+from tests.support.metrics import metric
 from tests.support.processes import ServiceProcess, free_port, running
 
 # Tens of tokens: long enough that a fault lands mid-generation.
@@ -66,13 +65,7 @@ def grammar_replicas(n: int, *args: str) -> Iterator[list[ServiceProcess]]:
 
 
 def live_requests(svc: ServiceProcess) -> float:
-    port = svc.metrics_port  # type: ignore[attr-defined]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        for fam in text_string_to_metric_families(r.read().decode()):
-            for sample in fam.samples:
-                if sample.name == "maskwire_grammar_live_requests":
-                    return sample.value
-    raise AssertionError("no maskwire_grammar_live_requests")
+    return metric(svc.metrics_port, "maskwire_grammar_live_requests")  # type: ignore[attr-defined]
 
 
 def busiest_first(replicas: list[ServiceProcess]) -> list[ServiceProcess]:

@@ -1,10 +1,12 @@
 """A stand-in for `maskwire <command>` used by the `maskwire up` tests: health only, no model.
 
-Usage: fake_service.py COMMAND --port P --host H [ARGS...]. grammar-service and worker serve gRPC
+Usage: python -m tests.unit.cli.fake_service COMMAND --port P --host H [ARGS...]. grammar-service and worker serve gRPC
 health, gateway serves HTTP /health, /v1/models and a canned /v1/chat/completions. Environment:
 FAKE_EVENTS (file to append "COMMAND start|stop ARGS" lines to), FAKE_CRASH=COMMAND (exit 3 a moment
-after becoming healthy), FAKE_NEVER_READY=COMMAND (never report healthy), FAKE_IGNORE_TERM=COMMAND,
-FAKE_BAD_STOP=COMMAND (exit 4 on SIGTERM), FAKE_ANSWER (chat content).
+after becoming healthy: FAKE_CRASH_AFTER seconds, default 1.5, or a comma list of them for its 1st,
+2nd, ... run, the last repeating, an empty one for a run that does not crash; runs are counted in
+FAKE_EVENTS), FAKE_NEVER_READY=COMMAND (never report healthy),
+FAKE_IGNORE_TERM=COMMAND, FAKE_BAD_STOP=COMMAND (exit 4 on SIGTERM), FAKE_ANSWER (chat content).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from maskwire.lifeline import hold_on
+
 ANSWER = '{"name": "France", "capital": "Paris", "population": 67000000}'
 
 
@@ -31,7 +35,23 @@ def record(event: str) -> None:
             f.write(event + "\n")
 
 
+def runs(command: str) -> int:
+    """How often `command` was started so far (this run included)."""
+    with open(os.environ["FAKE_EVENTS"]) as f:
+        return sum(line.startswith(f"{command} start") for line in f)
+
+
+def crash_after(command: str) -> float | None:
+    """Seconds this run lives after becoming healthy before it crashes; None: it does not."""
+    if os.environ.get("FAKE_CRASH") != command:
+        return None
+    delays = os.environ.get("FAKE_CRASH_AFTER", "1.5").split(",")
+    delay = delays[min(runs(command), len(delays)) - 1]
+    return float(delay) if delay else None
+
+
 def main() -> None:
+    hold_on()  # as `maskwire.cli` does
     command, rest = sys.argv[1], sys.argv[2:]
     port = int(rest[rest.index("--port") + 1])
     host = rest[rest.index("--host") + 1]
@@ -58,8 +78,9 @@ def main() -> None:
         health_pb2_grpc.add_HealthServicer_to_server(servicer, grpc_server)
         grpc_server.add_insecure_port(f"{host}:{port}")
         grpc_server.start()
-    if os.environ.get("FAKE_CRASH") == command:
-        time.sleep(1.5)
+    crash = crash_after(command)
+    if crash is not None:
+        time.sleep(crash)
         print(f"fake {command}: boom, something broke", flush=True)
         sys.exit(3)
     stop.wait()

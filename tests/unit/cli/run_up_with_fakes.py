@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from maskwire import up
 from maskwire.cli import main
 
-up.SERVICE_COMMAND = [sys.executable, str(Path(__file__).with_name("fake_service.py"))]
+# Run from the repository root (as test_up.py does), which the children inherit.
+up.SERVICE_COMMAND = [sys.executable, "-m", "tests.unit.cli.fake_service"]
+up.RESTART_BACKOFF_S = (0.1, 0.2)  # the policy's shape at test speed
 sys.exit(main(["up", *sys.argv[1:]]))

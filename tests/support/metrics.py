@@ -1,0 +1,24 @@
+"""Read a Prometheus /metrics endpoint in tests."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def metric(port_or_url: int | str, name: str) -> float:
+    """Sum of every sample of `name` (a gauge or counter, all labels) on a /metrics endpoint:
+    a port on 127.0.0.1, or the full URL."""
+    url = f"http://127.0.0.1:{port_or_url}/metrics" if isinstance(port_or_url, int) else port_or_url
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    samples = [
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name
+    ]
+    if not samples:
+        raise AssertionError(f"{url} has no {name}")
+    return float(sum(samples))
