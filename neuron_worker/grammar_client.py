@@ -34,7 +34,12 @@ import grpc
 import numpy as np
 
 from maskwire.bitmask import step_masks
-from maskwire.rpc import ACCEPTED_METADATA, RpcError, channel_options, has_status_details
+from maskwire.rpc import (
+    ACCEPTED_METADATA,
+    RpcError,
+    client_channel_options,
+    has_status_details,
+)
 from maskwire.tls import ClientTLS, make_channel
 from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc
 from neuron_worker.metrics import GRAMMAR_REPLAYS, GRAMMAR_REPLICA_DEATHS, POISON_REQUESTS
@@ -154,7 +159,7 @@ class Replica:
 
     def _stub(self) -> grammar_pb2_grpc.GrammarServiceStub:
         if self._channel is None:
-            self._channel = make_channel(self.address, self.tls, channel_options())
+            self._channel = make_channel(self.address, self.tls, client_channel_options())
         return grammar_pb2_grpc.GrammarServiceStub(self._channel)
 
     def _ensure_stream(self) -> None:
