@@ -17,7 +17,7 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from maskwire.rpc import RpcError, channel_options
@@ -27,7 +27,7 @@ from tests.robustness.stack import MODEL, Stack
 pytestmark = pytest.mark.slow
 
 FUZZ = settings(
-    max_examples=60,
+    max_examples=150,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     derandomize=True,  # the same examples every run: a failure reproduces
@@ -102,8 +102,30 @@ LARK = st.lists(
 ).map(_lark)
 REGEX = st.lists(
     st.sampled_from(
-        ["a", "b", ".", "[a-z]", "[^x]", "(", ")", "|", "*", "+", "?", "{2,5}", "{0,1000}",
-         "\\d", "\\p{L}", "^", "$", "é", "\\", "(?:", "[", "]"]
+        [
+            "a",
+            "b",
+            ".",
+            "[a-z]",
+            "[^x]",
+            "(",
+            ")",
+            "|",
+            "*",
+            "+",
+            "?",
+            "{2,5}",
+            "{0,1000}",
+            "\\d",
+            "\\p{L}",
+            "^",
+            "$",
+            "é",
+            "\\",
+            "(?:",
+            "[",
+            "]",
+        ]
     ),
     max_size=16,
 ).map("".join)
@@ -148,6 +170,7 @@ def compile_status(stack: Stack, constraint: common_pb2.Constraint) -> grpc.Stat
 @given(schema=SCHEMAS)
 def test_fuzz_json_schemas(stack: Stack, schema: Any) -> None:
     code = compile_status(stack, common_pb2.Constraint(json_schema=json.dumps(schema)))
+    event(code.name)
     assert code in ALLOWED, (code, schema)
     assert_responsive(stack)
 
@@ -156,6 +179,7 @@ def test_fuzz_json_schemas(stack: Stack, schema: Any) -> None:
 @given(lark=LARK)
 def test_fuzz_lark_grammars(stack: Stack, lark: str) -> None:
     code = compile_status(stack, common_pb2.Constraint(lark=lark))
+    event(code.name)
     assert code in ALLOWED, (code, lark)
     assert_responsive(stack)
 
@@ -174,6 +198,7 @@ def test_fuzz_regexes_through_the_worker(stack: Stack, regex: str) -> None:
             code = grpc.StatusCode.OK
         except grpc.RpcError as e:
             code = e.code()  # type: ignore[attr-defined]
+    event(code.name)
     assert code in ALLOWED, (code, regex)
     assert_responsive(stack)
 
@@ -217,5 +242,6 @@ def test_fuzz_chat_bodies(stack: Stack, fields: dict[str, Any], content: str) ->
         headers={"content-type": "application/json"},
         timeout=120,
     )
+    event(str(r.status_code))
     assert r.status_code < 500, (r.status_code, r.text[:500], body)
     assert_responsive(stack)
