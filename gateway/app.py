@@ -37,6 +37,7 @@ class GatewayConfig:
 
     workers: list[str]
     chat_template: str | None = None  # template source overriding the model's
+    tool_call_parser: str | None = None  # hermes, llama3_json or mistral; None: by the template
     request_timeout_s: float = 600.0
     max_body_bytes: int = 8 * 1024 * 1024
     max_concurrency: int = 256
@@ -191,6 +192,8 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         request_timeout_s=config.request_timeout_s,
         max_prompt_bytes=config.max_prompt_bytes,
         max_json_depth=config.max_json_depth,
+        chat_template=config.chat_template,
+        tool_call_parser=config.tool_call_parser,
     )
     started = int(time.time())
     # Streams outlive their handler: count admitted requests, not running handlers.
@@ -268,7 +271,7 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
     ) -> Response:
         t0 = time.monotonic()
         try:
-            return await chat.handle(ctx, request, body, config.chat_template)
+            return await chat.handle(ctx, request, body)
         finally:
             if not body.stream:
                 metrics.latency.labels(chat.ENDPOINT, "false").observe(time.monotonic() - t0)
