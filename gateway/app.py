@@ -15,7 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import chat, completions, errors, schemas
+from gateway import chat, completions, errors, responses, schemas
+from gateway import response_schemas as rs
 from gateway.auth import ApiKeys
 from gateway.generation import ClientDisconnected, Context, Limiter
 from gateway.input_check import checked_route
@@ -69,6 +70,13 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 _STREAM_DOC = {
     "description": "The completion; with `stream: true`, server-sent events (`data: {chunk}` "
     "lines ending with `data: [DONE]`)",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
+
+
+_RESPONSES_STREAM_DOC = {
+    "description": "The response; with `stream: true`, server-sent events (`event: TYPE` and "
+    "`data: {event}` lines, from `response.created` to `response.completed`)",
     "content": {"text/event-stream": {"schema": {"type": "string"}}},
 }
 
@@ -290,6 +298,21 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         finally:
             if not body.stream:
                 metrics.latency.labels(completions.ENDPOINT, "false").observe(time.monotonic() - t0)
+
+    @app.post(
+        "/v1/responses",
+        response_model=rs.ResponseObject,
+        responses={200: _RESPONSES_STREAM_DOC, **_ERROR_RESPONSES},
+        tags=["openai"],
+        summary="Create a model response (Responses API)",
+    )
+    async def create_response(body: rs.ResponseCreateRequest, request: Request) -> Response:
+        t0 = time.monotonic()
+        try:
+            return await responses.handle(ctx, request, body)
+        finally:
+            if not body.stream:
+                metrics.latency.labels(responses.ENDPOINT, "false").observe(time.monotonic() - t0)
 
     async def _cards() -> list[schemas.ModelCard]:
         info = await the_pool.model_info()
