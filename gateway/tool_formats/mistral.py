@@ -9,6 +9,7 @@ letters and digits: calls get such ids, and other ids are shortened for the temp
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import secrets
 import string
@@ -76,5 +77,8 @@ class Mistral(ToolFormat):
         )
 
     def calls_text(self, calls: list[PastCall]) -> str:
-        items = ", ".join(f'{{"name": "{c.name}", "arguments": {c.arguments}}}' for c in calls)
+        items = ", ".join(
+            f'{{"name": {json.dumps(c.name, ensure_ascii=False)}, "arguments": {c.arguments}}}'
+            for c in calls
+        )
         return f"{TOOL_CALLS}[{items}]"
