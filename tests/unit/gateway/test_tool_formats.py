@@ -72,6 +72,16 @@ def read(parser: OutputParser, text: str) -> Merged:
     return merged
 
 
+def read_chunks(parser: OutputParser, text: str, cuts: list[int]) -> Merged:
+    """`text` fed in pieces cut at `cuts`."""
+    points = sorted(set(cuts))
+    merged = Merged()
+    for a, b in zip([0, *points], [*points, len(text)], strict=True):
+        merged.add(parser.feed(text[a:b]))
+    merged.add(parser.finish())
+    return merged
+
+
 def calls(m: Merged) -> list[tuple[str, Any]]:
     return [(c.name, json.loads(c.arguments)) for c in m.calls]
 
@@ -321,3 +331,18 @@ def test_leading_calls_parser_any_chunking(cuts: list[int]) -> None:
 def test_leading_calls_parser_text_keeps_its_leading_whitespace() -> None:
     assert read(LeadingCallsParser(), "  \nHello {x}").content == "  \nHello {x}"
     assert read(LeadingCallsParser(), " \n").content == " \n"
+
+
+MISTRAL_OUT = (
+    f'Checking.{TOOL_CALLS}[{{"name": "get_weather", "arguments": {{"city": "a]\\"}}"}}}}, '
+    '{"name": "ping", "arguments": {}}]'
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, len(MISTRAL_OUT)), max_size=10))
+def test_mistral_parser_any_chunking(cuts: list[int]) -> None:
+    merged = read_chunks(FORMATS["mistral"].output(tools.plan(chat())).parser(), MISTRAL_OUT, cuts)
+    assert merged.content == "Checking."
+    assert calls(merged) == [("get_weather", {"city": 'a]"}'}), ("ping", {})]
+    assert all(len(c.id) == 9 for c in merged.calls)
