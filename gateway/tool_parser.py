@@ -433,10 +433,6 @@ class TaggedCallParser:
         self.buf = ""
         return out
 
-    @property
-    def calls(self) -> int:
-        return self.emit.count
-
 
 class JsonArrayCallParser:
     """`[{"name": ..., "arguments": ...}, ...]`, the whole output (`tool_choice: required`)."""
@@ -458,10 +454,6 @@ class JsonArrayCallParser:
 
     def finish(self) -> list[Delta]:
         return []
-
-    @property
-    def calls(self) -> int:
-        return self.emit.count
 
 
 class LeadingCallsParser:
@@ -512,10 +504,6 @@ class LeadingCallsParser:
     def finish(self) -> list[Delta]:
         return [ContentDelta(self.head)] if self.state == "start" and self.head else []
 
-    @property
-    def calls(self) -> int:
-        return self.emit.count
-
 
 class NamedCallParser:
     """The whole output is the arguments of tool `name` (named `tool_choice`)."""
@@ -538,10 +526,6 @@ class NamedCallParser:
             return []
         self.started = True
         return [CallDelta(0, self.new_id(), self.name, "")]
-
-    @property
-    def calls(self) -> int:
-        return 1 if self.started else 0
 
 
 def _content(out: list[Delta], text: str) -> None:
