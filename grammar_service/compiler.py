@@ -239,7 +239,9 @@ def _structural_tags_grammar(
         if ref is not None:
             trigger, begin = ref, ref + begin[len(trigger) :]
         tags.append(
-            llguidance.StructTag(trigger=trigger, begin=begin, grammar=json.dumps(schema), end=tag.end)
+            llguidance.StructTag(
+                trigger=trigger, begin=begin, grammar=json.dumps(schema), end=tag.end
+            )
         )
     # `assume_special` writes a `<...>` trigger as a special-token reference: only correct when the
     # trigger really is one special token of this tokenizer (SmolLM2's `<tool_call>` is not).
