@@ -15,7 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import chat, completions, errors, schemas
+from gateway import chat, completions, errors, responses, schemas
+from gateway import response_schemas as rs
 from gateway.auth import ApiKeys
 from gateway.generation import ClientDisconnected, Context, Limiter
 from gateway.input_check import checked_route
@@ -37,6 +38,7 @@ class GatewayConfig:
 
     workers: list[str]
     chat_template: str | None = None  # template source overriding the model's
+    tool_call_parser: str | None = None  # hermes, llama3_json or mistral; None: by the template
     request_timeout_s: float = 600.0
     max_body_bytes: int = 8 * 1024 * 1024
     max_concurrency: int = 256
@@ -68,6 +70,13 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 _STREAM_DOC = {
     "description": "The completion; with `stream: true`, server-sent events (`data: {chunk}` "
     "lines ending with `data: [DONE]`)",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
+
+
+_RESPONSES_STREAM_DOC = {
+    "description": "The response; with `stream: true`, server-sent events (`event: TYPE` and "
+    "`data: {event}` lines, from `response.created` to `response.completed`)",
     "content": {"text/event-stream": {"schema": {"type": "string"}}},
 }
 
@@ -191,6 +200,8 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         request_timeout_s=config.request_timeout_s,
         max_prompt_bytes=config.max_prompt_bytes,
         max_json_depth=config.max_json_depth,
+        chat_template=config.chat_template,
+        tool_call_parser=config.tool_call_parser,
     )
     started = int(time.time())
     # Streams outlive their handler: count admitted requests, not running handlers.
@@ -268,7 +279,7 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
     ) -> Response:
         t0 = time.monotonic()
         try:
-            return await chat.handle(ctx, request, body, config.chat_template)
+            return await chat.handle(ctx, request, body)
         finally:
             if not body.stream:
                 metrics.latency.labels(chat.ENDPOINT, "false").observe(time.monotonic() - t0)
@@ -287,6 +298,21 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         finally:
             if not body.stream:
                 metrics.latency.labels(completions.ENDPOINT, "false").observe(time.monotonic() - t0)
+
+    @app.post(
+        "/v1/responses",
+        response_model=rs.ResponseObject,
+        responses={200: _RESPONSES_STREAM_DOC, **_ERROR_RESPONSES},
+        tags=["openai"],
+        summary="Create a model response (Responses API)",
+    )
+    async def create_response(body: rs.ResponseCreateRequest, request: Request) -> Response:
+        t0 = time.monotonic()
+        try:
+            return await responses.handle(ctx, request, body)
+        finally:
+            if not body.stream:
+                metrics.latency.labels(responses.ENDPOINT, "false").observe(time.monotonic() - t0)
 
     async def _cards() -> list[schemas.ModelCard]:
         info = await the_pool.model_info()

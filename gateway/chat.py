@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from gateway import constraints, errors, schemas, sse, tools
+from gateway import constraints, errors, reasoning, schemas, sse, tools
 from gateway.chat_template import ChatTemplate, TemplateError, build_prompt
 from gateway.generation import (
     Context,
@@ -18,24 +18,15 @@ from gateway.generation import (
     check_common,
     check_model,
     check_prompt_bytes,
-    event_stream,
     finish_reason,
     new_id,
+    respond,
     sampling,
-    unless_disconnected,
 )
 from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_BYTES
-from gateway.tool_parser import (
-    CallDelta,
-    ContentDelta,
-    Delta,
-    HermesToolParser,
-    JsonArrayCallParser,
-    Merged,
-    NamedCallParser,
-    OutputParser,
-    PlainText,
-)
+from gateway.output import Output
+from gateway.tool_formats import ToolFormat, by_name, detect
+from gateway.tool_parser import ContentDelta, Delta, OutputParser, ReasoningDelta
 from gateway.tools import ToolMode
 from maskwire.v1 import worker_pb2
 
@@ -48,6 +39,18 @@ class ChatPlan:
     constraint_param: str | None
     parser: Callable[[], OutputParser]
     mode: ToolMode
+    reasoning: bool  # the output starts with the model's thinking (`gateway.reasoning`)
+
+    def output(self) -> Output:
+        return Output(self.parser, self.reasoning)
+
+    def usage(self, stream: WorkerStream, output: Output) -> schemas.Usage:
+        usage = stream.usage()
+        if self.reasoning:
+            usage.completion_tokens_details = schemas.CompletionTokensDetails(
+                reasoning_tokens=output.reasoning_tokens
+            )
+        return usage
 
 
 def template_for(info: worker_pb2.ModelInfo, override: str | None) -> ChatTemplate:
@@ -64,10 +67,16 @@ def template_for(info: worker_pb2.ModelInfo, override: str | None) -> ChatTempla
         raise errors.internal(str(e)) from e
 
 
+def tool_format(template: ChatTemplate, name: str | None) -> ToolFormat:
+    """`--tool-call-parser` when given, else what the template's tool prompt asks for."""
+    return by_name(name) if name else detect(template.source)
+
+
 def plan_chat(
     req: schemas.ChatCompletionRequest,
     info: worker_pb2.ModelInfo,
     template_override: str | None,
+    tool_call_parser: str | None = None,
     *,
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
@@ -77,9 +86,10 @@ def plan_chat(
     if req.top_logprobs is not None:
         raise errors.unsupported("top_logprobs")
     tp = tools.plan(req)
+    template = template_for(info, template_override)
+    fmt = tool_format(template, tool_call_parser)
     spec = constraints.from_request(req, max_json_depth)
-    extra_stop: list[str] = []
-    parser: Callable[[], OutputParser] = PlainText
+    out = fmt.output(tp)
     constraint = spec.constraint if spec else None
     param = spec.param if spec else None
     if tp.mode is not ToolMode.NONE:
@@ -88,73 +98,63 @@ def plan_chat(
                 f'{spec.param} cannot be combined with tools unless tool_choice is "none"',
                 spec.param,
             )
-        constraint = tools.constraint(tp)
-        param = "tools"
-        if tp.mode is ToolMode.AUTO:
-            parser = HermesToolParser
-            if not tp.parallel:
-                # One call at most: stop right after the first call's closing tag.
-                extra_stop.append(tools.TOOL_CALL_CLOSE)
-        elif tp.mode is ToolMode.REQUIRED:
-            parser = JsonArrayCallParser
-        else:
-            name = tp.named or ""
-            parser = lambda: NamedCallParser(name)  # noqa: E731
-    prompt = build_prompt(template_for(info, template_override), req, tp, max_json_depth)
+        constraint, param = out.constraint, "tools"
+    prompt = build_prompt(template, req, tp, fmt, max_json_depth)
+    marker = reasoning.end_marker(template.source, prompt)
+    if not marker:
+        # A call marker would land before the thinking: with reasoning the output starts bare.
+        prompt += out.prompt_suffix
     check_prompt_bytes(prompt, max_prompt_bytes, "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     generate = worker_pb2.GenerateRequest(
-        text=prompt, sampling=sampling(req, max_tokens, extra_stop), model=req.model
+        text=prompt,
+        sampling=sampling(req, max_tokens, out.stop),
+        model=req.model,
+        reasoning_end_marker=marker,
     )
     if constraint is not None:
         generate.constraint.CopyFrom(constraint)
-    return ChatPlan(generate, param, parser, tp.mode)
+    return ChatPlan(generate, param, out.parser, tp.mode, bool(marker))
 
 
-async def handle(
-    ctx: Context, request: Request, req: schemas.ChatCompletionRequest, template: str | None
-) -> Response:
+async def handle(ctx: Context, request: Request, req: schemas.ChatCompletionRequest) -> Response:
     info = await check_model(ctx, req.model)
     plan = plan_chat(
         req,
         info,
-        template,
+        ctx.chat_template,
+        ctx.tool_call_parser,
         max_prompt_bytes=ctx.max_prompt_bytes,
         max_json_depth=ctx.max_json_depth,
     )
     rid = new_id("chatcmpl")
     plan.generate.request_id = rid
     created = int(time.time())
-    ctx.limiter.acquire()
-    released = False
-    try:
-        stream = await WorkerStream.open(
-            ctx, request, ENDPOINT, plan.generate, plan.constraint_param
-        )
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            released = True  # the response's cleanup releases the slot
-            return event_stream(
-                ctx, stream, _stream(ctx, stream, plan, rid, created, req.model, include_usage)
-            )
-        body = await unless_disconnected(request, _collect(stream, plan, rid, created, req.model))
-        return JSONResponse(body)
-    finally:
-        if not released:
-            ctx.limiter.release()
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await respond(
+        ctx,
+        request,
+        ENDPOINT,
+        plan.generate,
+        plan.constraint_param,
+        stream=(lambda s: _stream(s, plan, rid, created, req.model, include_usage))
+        if req.stream
+        else None,
+        collect=lambda s: _collect(s, plan, rid, created, req.model),
+    )
 
 
 async def _collect(
     stream: WorkerStream, plan: ChatPlan, rid: str, created: int, model: str
 ) -> dict[str, Any]:
-    parser = plan.parser()
-    merged = Merged()
+    output = plan.output()
     try:
         async for msg in stream:
-            merged.add(parser.feed(msg.text))
+            output.feed(msg)
     finally:
         await stream.aclose()
-    merged.add(parser.finish())
+    output.finish()
+    merged = output.merged
     calls = [
         schemas.ToolCall(id=c.id, function=schemas.FunctionCall(name=c.name, arguments=c.arguments))
         for c in merged.calls
@@ -164,18 +164,19 @@ async def _collect(
         content = None
     if calls:
         stream.ctx.metrics.tool_calls.labels(plan.mode.value).inc(len(calls))
+    message = schemas.ChatCompletionMessage(content=content, tool_calls=calls or None)
+    if plan.reasoning:
+        message.reasoning_content = merged.reasoning
     result = schemas.ChatCompletion(
         id=rid,
         created=created,
         model=model,
         choices=[
             schemas.ChatCompletionChoice(
-                index=0,
-                message=schemas.ChatCompletionMessage(content=content, tool_calls=calls or None),
-                finish_reason=finish_reason(stream.final, len(calls)),
+                index=0, message=message, finish_reason=finish_reason(stream.final, len(calls))
             )
         ],
-        usage=stream.usage(),
+        usage=plan.usage(stream, output),
     )
     return result.model_dump(mode="json")
 
@@ -183,7 +184,8 @@ async def _collect(
 def _delta_chunk(d: Delta) -> dict[str, Any]:
     if isinstance(d, ContentDelta):
         return {"content": d.text}
-    assert isinstance(d, CallDelta)
+    if isinstance(d, ReasoningDelta):
+        return {"reasoning_content": d.text}
     call: dict[str, Any] = {"index": d.index}
     fn: dict[str, Any] = {"arguments": d.arguments}
     if d.id is not None:
@@ -195,7 +197,6 @@ def _delta_chunk(d: Delta) -> dict[str, Any]:
 
 
 async def _stream(
-    ctx: Context,
     stream: WorkerStream,
     plan: ChatPlan,
     rid: str,
@@ -208,25 +209,21 @@ async def _stream(
     def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
         return out.choice({"delta": delta}, finish)
 
-    parser = plan.parser()
-    calls = 0
+    output = plan.output()
     try:
         yield chunk({"role": "assistant", "content": ""})
         async for msg in stream:
-            deltas = parser.feed(msg.text)
-            if stream.final is not None:
-                deltas += parser.finish()
-            for d in deltas:
-                if isinstance(d, CallDelta) and d.id is not None:
-                    calls += 1
+            for d in output.feed(msg):
                 yield chunk(_delta_chunk(d))
-        yield chunk({}, finish_reason(stream.final, calls))
+        for d in output.finish():
+            yield chunk(_delta_chunk(d))
+        yield chunk({}, finish_reason(stream.final, output.calls))
         if include_usage:
-            yield out.usage(stream.usage().model_dump())
+            yield out.usage(plan.usage(stream, output).model_dump())
         yield sse.DONE
         stream.done = True
-        if calls:
-            ctx.metrics.tool_calls.labels(plan.mode.value).inc(calls)
+        if output.calls:
+            stream.ctx.metrics.tool_calls.labels(plan.mode.value).inc(output.calls)
     except errors.APIError as e:
         stream.done = True
         yield sse.event(e.body())

@@ -1,9 +1,9 @@
 """Chat prompts for the gateway: OpenAI messages and tools -> the model's own Jinja template.
 
 Rendering itself is `maskwire.chat_template` (Hugging Face's environment). Templates that do not
-mention `tools` get the tools as a Hermes-style system prompt, earlier calls as `<tool_call>` text
-and tool results as `<tool_response>` user turns, so any ChatML-like template can carry a tool
-conversation.
+mention `tools` get the tools as a system prompt in the request's tool-call format (Hermes unless
+`--tool-call-parser` says otherwise), earlier calls as that format's text and tool results as
+`<tool_response>` user turns, so any ChatML-like template can carry a tool conversation.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from gateway import schemas, tools
 from gateway.errors import bad_request, unsupported
 from gateway.input_check import parse_json_text
 from gateway.limits import DEFAULT_MAX_JSON_DEPTH
+from gateway.tool_formats import PastCall, ToolFormat
 from maskwire.chat_template import ChatTemplateError, check_template, render_chat
 
 
@@ -83,14 +84,22 @@ def _arguments_value(arguments: str, where: str, max_depth: int) -> Any:
         return arguments
 
 
+def _arguments_text(arguments: str, where: str, max_depth: int) -> str:
+    """Arguments as JSON text the way a model writes them (the client's text if not JSON)."""
+    value = _arguments_value(arguments, where, max_depth)
+    return arguments if value is arguments else json.dumps(value, ensure_ascii=False)
+
+
 def build_prompt(
     template: ChatTemplate,
     req: schemas.ChatCompletionRequest,
     plan: tools.ToolPlan,
+    fmt: ToolFormat,
     max_depth: int = DEFAULT_MAX_JSON_DEPTH,
 ) -> str:
     """The prompt text for a chat request (400 when the template refuses the conversation).
-    `max_depth` bounds the nesting of tool-call arguments (JSON text) that are parsed."""
+    `fmt` writes tools and earlier calls for templates without tool support, and shapes call ids
+    for those with it. `max_depth` bounds the nesting of tool-call arguments (JSON text) parsed."""
     native = template.supports_tools
     messages: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages):
@@ -100,46 +109,46 @@ def build_prompt(
         msg: dict[str, Any] = {"role": role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
         if m.role == "assistant" and m.tool_calls:
+            args_where = [
+                f"{where}.tool_calls[{j}].function.arguments" for j in range(len(m.tool_calls))
+            ]
             if native:
                 msg["tool_calls"] = [
                     {
-                        "id": c.id,
+                        "id": fmt.template_call_id(c.id),
                         "type": "function",
                         "function": {
                             "name": c.function.name,
-                            "arguments": _arguments_value(
-                                c.function.arguments,
-                                f"{where}.tool_calls[{j}].function.arguments",
-                                max_depth,
-                            ),
+                            "arguments": _arguments_value(c.function.arguments, w, max_depth),
                         },
                     }
-                    for j, c in enumerate(m.tool_calls)
+                    for c, w in zip(m.tool_calls, args_where, strict=True)
                 ]
             else:
-                calls = "".join(
-                    tools.hermes_call_text(
-                        c.function.name,
-                        c.function.arguments,
-                        f"{where}.tool_calls[{j}].function.arguments",
-                        max_depth,
-                    )
-                    for j, c in enumerate(m.tool_calls)
+                calls = fmt.calls_text(
+                    [
+                        PastCall(
+                            c.function.name, _arguments_text(c.function.arguments, w, max_depth)
+                        )
+                        for c, w in zip(m.tool_calls, args_where, strict=True)
+                    ]
                 )
                 msg["content"] = f"{content}\n{calls}" if content else calls
         elif m.role == "tool":
             if m.tool_call_id is None:
                 raise bad_request("tool messages need `tool_call_id`", f"{where}.tool_call_id")
             if native:
-                msg["tool_call_id"] = m.tool_call_id
+                msg["tool_call_id"] = fmt.template_call_id(m.tool_call_id)
             else:
                 msg = {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
         messages.append(msg)
 
     tool_dicts = tools.openai_tools(plan.tools) if plan.in_prompt else None
     if tool_dicts and not native:
-        prompt = tools.hermes_system_prompt(plan.tools)
+        prompt = fmt.instructions(plan.tools)
         if messages[0]["role"] == "system":
             messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}
         else:

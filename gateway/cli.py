@@ -10,6 +10,9 @@ from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_BYTES
 from maskwire.discovery import add_refresh_argument
 from maskwire.tls import TLSConfigError, add_client_tls_arguments, client_tls_from_args
 
+# The names of `gateway.tool_formats.FORMATS`, spelled out to keep this module light.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -27,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chat-template",
         metavar="FILE",
         help="Jinja chat template to use instead of the model's own",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="how the model writes tool calls (default: what its chat template asks for; "
+        "hermes for templates without tool support)",
     )
     parser.add_argument(
         "--request-timeout-s",
@@ -149,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         workers=workers,
         worker_dns_refresh_s=args.worker_dns_refresh_s,
         chat_template=template,
+        tool_call_parser=args.tool_call_parser,
         request_timeout_s=args.request_timeout_s,
         max_body_bytes=args.max_body_bytes,
         max_concurrency=args.max_concurrency,

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from gateway import constraints, errors, schemas, sse
 from gateway.generation import (
@@ -16,11 +16,10 @@ from gateway.generation import (
     check_common,
     check_model,
     check_prompt_bytes,
-    event_stream,
     finish_reason,
     new_id,
+    respond,
     sampling,
-    unless_disconnected,
 )
 from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_BYTES
 from maskwire.text import truncate_echo
@@ -88,21 +87,18 @@ async def handle(ctx: Context, request: Request, req: schemas.CompletionRequest)
     gen.request_id = rid
     created = int(time.time())
     echo = gen.text if req.echo else ""
-    ctx.limiter.acquire()
-    released = False
-    try:
-        stream = await WorkerStream.open(ctx, request, ENDPOINT, gen, param)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            released = True  # the response's cleanup releases the slot
-            return event_stream(
-                ctx, stream, _stream(ctx, stream, rid, created, req.model, echo, include_usage)
-            )
-        body = await unless_disconnected(request, _collect(stream, rid, created, req.model, echo))
-        return JSONResponse(body)
-    finally:
-        if not released:
-            ctx.limiter.release()
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await respond(
+        ctx,
+        request,
+        ENDPOINT,
+        gen,
+        param,
+        stream=(lambda s: _stream(s, rid, created, req.model, echo, include_usage))
+        if req.stream
+        else None,
+        collect=lambda s: _collect(s, rid, created, req.model, echo),
+    )
 
 
 async def _collect(
@@ -129,7 +125,6 @@ async def _collect(
 
 
 async def _stream(
-    ctx: Context,
     stream: WorkerStream,
     rid: str,
     created: int,

@@ -6,11 +6,12 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from gateway import errors, schemas, sse
 from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_BYTES
@@ -64,6 +65,8 @@ class Context:
     request_timeout_s: float
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+    chat_template: str | None = None  # template source overriding the model's
+    tool_call_parser: str | None = None  # `--tool-call-parser`; None: the template decides
 
 
 def new_id(prefix: str) -> str:
@@ -249,6 +252,31 @@ def event_stream(ctx: Context, stream: WorkerStream, body: AsyncIterator[bytes])
         )
 
     return sse.EventStream(body, cleanup)
+
+
+async def respond(
+    ctx: Context,
+    request: Request,
+    endpoint: str,
+    gen_request: worker_pb2.GenerateRequest,
+    constraint_param: str | None,
+    *,
+    stream: Callable[[WorkerStream], AsyncIterator[bytes]] | None,
+    collect: Callable[[WorkerStream], Awaitable[dict[str, Any]]],
+) -> Response:
+    """Admit the request, start it on a worker, and answer with `stream`'s SSE body when given,
+    else with the JSON `collect` builds. Errors before the first token are HTTP errors."""
+    ctx.limiter.acquire()
+    released = False
+    try:
+        ws = await WorkerStream.open(ctx, request, endpoint, gen_request, constraint_param)
+        if stream is not None:
+            released = True  # the response's cleanup releases the slot
+            return event_stream(ctx, ws, stream(ws))
+        return JSONResponse(await unless_disconnected(request, collect(ws)))
+    finally:
+        if not released:
+            ctx.limiter.release()
 
 
 def finish_reason(msg: worker_pb2.GenerateResponse | None, tool_calls: int = 0) -> Any:

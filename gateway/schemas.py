@@ -77,10 +77,20 @@ class StructuredOutputs(_Request):
     )
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = Field(
+        ..., description="Completion tokens of the thinking section, up to its end marker."
+    )
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        default=None,
+        description="Set for models that think (their template has a thinking section).",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,6 +129,9 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="Calls made by an assistant turn.")
     tool_call_id: str | None = Field(None, description="For `tool` messages: the call answered.")
+    reasoning_content: str | None = Field(
+        None, description="An assistant turn's thinking, for templates that render it."
+    )
 
 
 class FunctionDefinition(_Request):
@@ -202,6 +215,10 @@ class ChatCompletionRequest(_SamplingFields):
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = Field(
+        default=None,
+        description="The model's thinking (models whose template has a thinking section).",
+    )
     tool_calls: list[ToolCall] | None = None
 
 
@@ -236,6 +253,7 @@ class ToolCallDelta(BaseModel):
 class ChoiceDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

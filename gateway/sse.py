@@ -1,4 +1,5 @@
-"""Server-sent events as OpenAI streams them: `data: {json}\n\n` ... `data: [DONE]\n\n`."""
+"""Server-sent events as OpenAI streams them: `data: {json}\n\n` ... `data: [DONE]\n\n` for
+completions, `event: TYPE\ndata: {json}\n\n` for the Responses API."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ def event(payload: dict[str, Any]) -> bytes:
         + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
         + b"\n\n"
     )
+
+
+def named_event(name: str, payload: dict[str, Any]) -> bytes:
+    return f"event: {name}\n".encode() + event(payload)
 
 
 @dataclass(frozen=True)

@@ -2,26 +2,31 @@
 
 Every parser takes text chunks with `feed()` and returns deltas as soon as they are certain;
 `finish()` flushes what was held back. The same deltas, merged, give the non-streamed message.
+The tool-call formats (`gateway.tool_formats`) assemble these pieces:
 
 * `PlainText`: everything is content.
-* `HermesToolParser` (`tool_choice: auto`): content, except `<tool_call>{"name": ..., "arguments":
-  ...}</tool_call>` segments, which become calls; text that might start a tag is held back.
-* `JsonArrayCallParser` (`required`): a JSON array of `{"name", "arguments"}` objects.
-* `NamedCallParser` (named tool): the whole output is the arguments of one known tool.
+* `TaggedCallParser`: content, except where a marker opens a call (`<tool_call>{...}</tool_call>`
+  in Hermes, `[TOOL_CALLS][...]` in Mistral); text that might start a marker is held back.
+* `JsonArrayCallParser`: a JSON array of `{"name", "arguments"}` objects.
+* `LeadingCallsParser`: calls when the output starts with `{` (Llama 3's JSON calls, several
+  separated by `;`), else content.
+* `NamedCallParser`: the whole output is the arguments of one known tool.
 
-Arguments are streamed as raw JSON text pieces, the way OpenAI streams them.
+Call objects accept `arguments` or `parameters`. Arguments are streamed as raw JSON text pieces,
+the way OpenAI streams them.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-
 _WS = " \t\r\n"
+
+IdFactory = Callable[[], str]
 
 
 def new_call_id() -> str:
@@ -30,6 +35,13 @@ def new_call_id() -> str:
 
 @dataclass
 class ContentDelta:
+    text: str
+
+
+@dataclass
+class ReasoningDelta:
+    """Text of the model's thinking section (`gateway.reasoning`)."""
+
     text: str
 
 
@@ -43,7 +55,7 @@ class CallDelta:
     arguments: str = ""
 
 
-Delta = ContentDelta | CallDelta
+Delta = ContentDelta | ReasoningDelta | CallDelta
 
 
 class OutputParser(Protocol):
@@ -224,27 +236,116 @@ class _CallObject:
 
 
 class _CallEmitter:
-    """Numbers calls and turns `_CallObject` progress into `CallDelta`s."""
+    """Numbers calls (across all of one output) and turns `_CallObject` progress into deltas."""
 
-    def __init__(self) -> None:
+    def __init__(self, new_id: IdFactory) -> None:
+        self.new_id = new_id
         self.count = 0
         self.announced = False
 
     def start(self) -> None:
         self.announced = False
 
-    def deltas(self, obj: _CallObject, final: bool = False) -> list[Delta]:
+    def deltas(self, obj: _CallObject) -> list[Delta]:
         if not self.announced:
             if obj.name is None:
                 return []
             self.announced = True
             self.count += 1
-            return [CallDelta(self.count - 1, new_call_id(), obj.name, obj.take_args())]
+            return [CallDelta(self.count - 1, self.new_id(), obj.name, obj.take_args())]
         args = obj.take_args()
         return [CallDelta(self.count - 1, arguments=args)] if args else []
 
 
-def _partial_prefix(text: str, tag: str) -> int:
+class _Body(Protocol):
+    """What follows a call marker: calls, fed one character at a time."""
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def announced(self) -> bool:
+        """Whether a call has been handed out (its text can no longer be given back)."""
+        ...
+
+    def push(self, c: str) -> bool:
+        """Consume `c`; False when it follows the body's end. Raises _ParseError."""
+        ...
+
+    def deltas(self) -> list[Delta]: ...
+
+
+class ObjectBody:
+    """One call object."""
+
+    def __init__(self, emit: _CallEmitter) -> None:
+        self.emit = emit
+        self.obj = _CallObject()
+        self.announced = False
+        emit.start()
+
+    @property
+    def done(self) -> bool:
+        return self.obj.done
+
+    def push(self, c: str) -> bool:
+        return self.obj.push(c)
+
+    def deltas(self) -> list[Delta]:
+        out = self.emit.deltas(self.obj)
+        self.announced = self.announced or self.emit.announced
+        return out
+
+
+class ArrayBody:
+    """A JSON array of call objects; anything else where the array should start ends it."""
+
+    def __init__(self, emit: _CallEmitter) -> None:
+        self.emit = emit
+        self.state = "start"
+        self.obj = _CallObject()
+        self.out: list[Delta] = []
+        self.announced = False
+
+    @property
+    def done(self) -> bool:
+        return self.state == "end"
+
+    def push(self, c: str) -> bool:
+        if self.state == "start":
+            if c == "[":
+                self.state = "between"
+            elif c not in _WS:
+                raise _ParseError(c)
+        elif self.state == "between":
+            if c == "{":
+                self.obj = _CallObject()
+                self.emit.start()
+                self.obj.push(c)
+                self.state = "call"
+            elif c == "]":
+                self.state = "end"
+            elif c not in _WS and c != ",":
+                raise _ParseError(c)
+        elif self.state == "call":
+            self.obj.push(c)
+            self._collect()
+            if self.obj.done:
+                self.state = "between"
+        else:
+            return False
+        return True
+
+    def _collect(self) -> None:
+        self.out += self.emit.deltas(self.obj)
+        self.announced = self.announced or self.emit.announced
+
+    def deltas(self) -> list[Delta]:
+        out, self.out = self.out, []
+        return out
+
+
+def partial_prefix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -252,44 +353,51 @@ def _partial_prefix(text: str, tag: str) -> int:
     return 0
 
 
-class HermesToolParser:
-    """Content with `<tool_call>{json}</tool_call>` segments (Hermes / Qwen style)."""
+class TaggedCallParser:
+    """Content with call segments: `open`, a body (one call object, or an array of them), then
+    optionally `close`. A segment that turns out not to be a call is given back as content."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        open: str,
+        body: Callable[[_CallEmitter], _Body],
+        close: str = "",
+        new_id: IdFactory = new_call_id,
+    ) -> None:
+        self.open = open
+        self.close = close
+        self.make_body = body
         self.state = "text"
         self.buf = ""
-        self.raw: list[str] = []  # text of the current tag, replayed as content if it is no call
-        self.obj = _CallObject()
-        self.emit = _CallEmitter()
+        self.raw: list[str] = []  # text of the current segment, replayed if it is no call
+        self.emit = _CallEmitter(new_id)
+        self.body: _Body = body(self.emit)
 
     def feed(self, text: str) -> list[Delta]:
         out: list[Delta] = []
         self.buf += text
         while self.buf:
             if self.state == "text":
-                i = self.buf.find(TOOL_CALL_OPEN)
+                i = self.buf.find(self.open)
                 if i < 0:
-                    keep = _partial_prefix(self.buf, TOOL_CALL_OPEN)
-                    head, self.buf = (
-                        self.buf[: len(self.buf) - keep],
-                        self.buf[len(self.buf) - keep :],
-                    )
-                    _content(out, head)
+                    keep = partial_prefix(self.buf, self.open)
+                    cut = len(self.buf) - keep
+                    _content(out, self.buf[:cut])
+                    self.buf = self.buf[cut:]
                     break
                 _content(out, self.buf[:i])
-                self.buf = self.buf[i + len(TOOL_CALL_OPEN) :]
+                self.buf = self.buf[i + len(self.open) :]
                 self.state = "call"
-                self.raw = [TOOL_CALL_OPEN]
-                self.obj = _CallObject()
-                self.emit.start()
+                self.raw = [self.open]
+                self.body = self.make_body(self.emit)
             elif self.state == "call":
                 self._feed_call(out)
-            else:  # "close": expect optional whitespace then </tool_call>
+            else:  # "close": optional whitespace then the closing tag
                 stripped = self.buf.lstrip(_WS)
-                if stripped.startswith(TOOL_CALL_CLOSE):
-                    self.buf = stripped[len(TOOL_CALL_CLOSE) :]
+                if stripped.startswith(self.close):
+                    self.buf = stripped[len(self.close) :]
                     self.state = "text"
-                elif TOOL_CALL_CLOSE.startswith(stripped):
+                elif self.close.startswith(stripped):
                     break  # wait for more
                 else:
                     self.buf = stripped  # no closing tag: carry on with text
@@ -300,90 +408,109 @@ class HermesToolParser:
         buf = self.buf
         i = 0
         try:
-            while i < len(buf) and not self.obj.done:
-                self.obj.push(buf[i])
+            while i < len(buf) and not self.body.done:
+                self.body.push(buf[i])
                 i += 1
         except _ParseError:
             self.raw.append(buf[: i + 1])
             self.buf = buf[i + 1 :]
             self.state = "text"
-            if not self.emit.announced:
+            if not self.body.announced:
                 _content(out, "".join(self.raw))  # not a call after all: give the text back
             return
         self.raw.append(buf[:i])
         self.buf = buf[i:]
-        out += self.emit.deltas(self.obj)
-        if self.obj.done:
-            self.state = "close"
+        out += self.body.deltas()
+        if self.body.done:
+            self.state = "close" if self.close else "text"
 
     def finish(self) -> list[Delta]:
         out: list[Delta] = []
         if self.state == "text":
             _content(out, self.buf)
-        elif self.state == "call" and not self.emit.announced:
+        elif self.state == "call" and not self.body.announced:
             _content(out, "".join(self.raw) + self.buf)
         self.buf = ""
         return out
 
-    @property
-    def calls(self) -> int:
-        return self.emit.count
-
 
 class JsonArrayCallParser:
-    """`[{"name": ..., "arguments": ...}, ...]`, the output of `tool_choice: required`."""
+    """`[{"name": ..., "arguments": ...}, ...]`, the whole output (`tool_choice: required`)."""
 
-    def __init__(self) -> None:
-        self.state = "start"
-        self.obj = _CallObject()
-        self.emit = _CallEmitter()
+    def __init__(self, new_id: IdFactory = new_call_id) -> None:
+        self.emit = _CallEmitter(new_id)
+        self.body = ArrayBody(self.emit)
+        self.failed = False
 
     def feed(self, text: str) -> list[Delta]:
-        out: list[Delta] = []
-        i = 0
-        while i < len(text):
-            c = text[i]
-            if self.state == "start":
-                if c == "[":
-                    self.state = "between"
-                elif c not in _WS:
-                    self.state = "end"
-            elif self.state == "between":
-                if c == "{":
-                    self.obj = _CallObject()
-                    self.emit.start()
-                    self.obj.push(c)
-                    self.state = "call"
-                elif c == "]":
-                    self.state = "end"
-            elif self.state == "call":
-                try:
-                    self.obj.push(c)
-                except _ParseError:
-                    self.state = "end"
-                if self.obj.done:
-                    out += self.emit.deltas(self.obj)
-                    self.state = "between"
-            i += 1
-            if self.state == "end":
+        for c in text:
+            if self.failed or self.body.done:
                 break
-        if self.state == "call":
-            out += self.emit.deltas(self.obj)
-        return out
+            try:
+                self.body.push(c)
+            except _ParseError:
+                self.failed = True  # constrained output never gets here; keep what was parsed
+        return self.body.deltas()
 
     def finish(self) -> list[Delta]:
         return []
 
-    @property
-    def calls(self) -> int:
-        return self.emit.count
+
+class LeadingCallsParser:
+    """Calls if the output starts with `{` (after whitespace), separated by `;`; else content.
+
+    Llama 3's JSON tool calling: a reply is either text or `{"name": ..., "parameters": ...}`.
+    """
+
+    def __init__(self, new_id: IdFactory = new_call_id) -> None:
+        self.emit = _CallEmitter(new_id)
+        self.body: _Body = ObjectBody(self.emit)
+        self.state = "start"
+        self.head = ""  # leading whitespace, held until the first character decides
+
+    def feed(self, text: str) -> list[Delta]:
+        out: list[Delta] = []
+        for i, c in enumerate(text):
+            if self.state == "start":
+                if c in _WS:
+                    self.head += c
+                    continue
+                if c != "{":
+                    self.state = "text"
+                    _content(out, self.head + text[i:])
+                    return out
+                self.state = "call"
+            if self.state == "text":
+                _content(out, text[i:])
+                return out
+            if self.state == "between":
+                if c in _WS or c == ";":
+                    continue
+                self.body = ObjectBody(self.emit)
+                self.state = "call"
+            if self.state == "call":
+                try:
+                    self.body.push(c)
+                except _ParseError:
+                    self.state = "end"  # constrained output never gets here
+                    break
+                if self.body.done:
+                    out += self.body.deltas()
+                    self.state = "between"
+        if self.state == "call":
+            out += self.body.deltas()
+        return out
+
+    def finish(self) -> list[Delta]:
+        return [ContentDelta(self.head)] if self.state == "start" and self.head else []
 
 
 class NamedCallParser:
     """The whole output is the arguments of tool `name` (named `tool_choice`)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, new_id: IdFactory = new_call_id) -> None:
         self.name = name
+        self.new_id = new_id
         self.started = False
 
     def feed(self, text: str) -> list[Delta]:
@@ -392,17 +519,13 @@ class NamedCallParser:
         if not text:
             return []
         self.started = True
-        return [CallDelta(0, new_call_id(), self.name, text)]
+        return [CallDelta(0, self.new_id(), self.name, text)]
 
     def finish(self) -> list[Delta]:
         if self.started:
             return []
         self.started = True
-        return [CallDelta(0, new_call_id(), self.name, "")]
-
-    @property
-    def calls(self) -> int:
-        return 1 if self.started else 0
+        return [CallDelta(0, self.new_id(), self.name, "")]
 
 
 def _content(out: list[Delta], text: str) -> None:
@@ -426,12 +549,15 @@ class Merged:
     """All deltas of one output merged: the non-streamed message."""
 
     content: str = ""
+    reasoning: str = ""
     calls: list[ParsedCall] = field(default_factory=list)
 
     def add(self, deltas: list[Delta]) -> None:
         for d in deltas:
             if isinstance(d, ContentDelta):
                 self.content += d.text
+            elif isinstance(d, ReasoningDelta):
+                self.reasoning += d.text
             elif d.id is not None:
                 self.calls.append(ParsedCall(d.id, d.name or "", d.arguments))
             else:

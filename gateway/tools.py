@@ -1,11 +1,7 @@
-"""Tool calling: which mode a request is in, the constraint for that mode, the Hermes prompt.
+"""Tool calling: which mode a request is in, and the JSON Schemas of calls every format uses.
 
-* `required`: the output is a JSON array of `{"name", "arguments"}` (one `anyOf` branch per tool;
-  at most one item without `parallel_tool_calls`).
-* named tool: the output is that tool's arguments object.
-* `auto`: free text, but after the `<tool_call>` trigger a structural tag per tool forces
-  `{"name": "NAME", "arguments": <its schema>}</tool_call>`.
-* `none`: no tools in the prompt, no constraint, no parsing.
+How a model family writes its calls, and so the constraint and parser of each mode, is the job of
+`gateway.tool_formats`; `none` means no tools in the prompt, no constraint, no parsing.
 """
 
 from __future__ import annotations
@@ -19,13 +15,9 @@ from typing import Any
 from gateway import schemas
 from gateway.constraints import json_options
 from gateway.errors import bad_request
-from gateway.input_check import parse_json_text
-from gateway.limits import DEFAULT_MAX_JSON_DEPTH
 from maskwire.text import truncate_echo
 from maskwire.v1 import common_pb2
 
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -48,6 +40,10 @@ class ToolPlan:
     @property
     def in_prompt(self) -> bool:
         return self.mode is not ToolMode.NONE
+
+    @property
+    def named_tool(self) -> schemas.Tool:
+        return next(t for t in self.tools if t.function.name == self.named)
 
 
 def plan(req: schemas.ChatCompletionRequest) -> ToolPlan:
@@ -147,8 +143,9 @@ def _hoist_defs(params: dict[str, Any], prefix: str, root_defs: dict[str, Any]) 
     return result
 
 
-def required_schema(tools: tuple[schemas.Tool, ...], parallel: bool) -> dict[str, Any]:
-    """JSON array of calls, one `anyOf` branch per tool."""
+def call_schema(tools: tuple[schemas.Tool, ...], args_key: str = "arguments") -> dict[str, Any]:
+    """One call object `{"name": NAME, args_key: <NAME's parameters>}`, one `anyOf` branch per
+    tool; tool `$defs` are hoisted to the root."""
     root_defs: dict[str, Any] = {}
     branches = []
     for i, tool in enumerate(tools):
@@ -156,88 +153,39 @@ def required_schema(tools: tuple[schemas.Tool, ...], parallel: bool) -> dict[str
         branches.append(
             {
                 "type": "object",
-                "properties": {
-                    "name": {"const": tool.function.name},
-                    "arguments": params,
-                },
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": tool.function.name}, args_key: params},
+                "required": ["name", args_key],
                 "additionalProperties": False,
             }
         )
-    schema: dict[str, Any] = {
-        "type": "array",
-        "items": branches[0] if len(branches) == 1 else {"anyOf": branches},
-        "minItems": 1,
-    }
-    if not parallel:
-        schema["maxItems"] = 1
+    schema: dict[str, Any] = branches[0] if len(branches) == 1 else {"anyOf": branches}
     if root_defs:
-        schema["$defs"] = root_defs
+        schema = {**schema, "$defs": root_defs}
     return schema
 
 
-def tag_begin(name: str) -> str:
-    return f'{TOOL_CALL_OPEN}{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+def calls_schema(
+    tools: tuple[schemas.Tool, ...], parallel: bool, args_key: str = "arguments"
+) -> dict[str, Any]:
+    """A JSON array of calls: at least one, at most one without `parallel`."""
+    item = call_schema(tools, args_key)
+    defs = item.pop("$defs", None)
+    schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
 
 
-TAG_END = "}" + TOOL_CALL_CLOSE
+def json_constraint(schema: dict[str, Any]) -> common_pb2.Constraint:
+    return common_pb2.Constraint(json_schema=dumps(schema), json_options=json_options())
 
 
-def constraint(tp: ToolPlan) -> common_pb2.Constraint | None:
-    """The constraint for the plan's mode (None for `none`)."""
-    if tp.mode is ToolMode.NONE:
-        return None
-    if tp.mode is ToolMode.NAMED:
-        tool = next(t for t in tp.tools if t.function.name == tp.named)
-        return common_pb2.Constraint(
-            json_schema=_dumps(parameters(tool)), json_options=json_options()
-        )
-    if tp.mode is ToolMode.REQUIRED:
-        return common_pb2.Constraint(
-            json_schema=_dumps(required_schema(tp.tools, tp.parallel)),
-            json_options=json_options(),
-        )
-    tags = [
-        common_pb2.StructuralTag(
-            begin=tag_begin(t.function.name), json_schema=_dumps(parameters(t)), end=TAG_END
-        )
-        for t in tp.tools
-    ]
-    return common_pb2.Constraint(
-        structural_tags=common_pb2.StructuralTags(tags=tags, triggers=[TOOL_CALL_OPEN]),
-        json_options=json_options(),
-    )
-
-
-def _dumps(schema: dict[str, Any]) -> str:
+def dumps(schema: dict[str, Any]) -> str:
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 def openai_tools(tools: tuple[schemas.Tool, ...]) -> list[dict[str, Any]]:
     """Tools as plain dicts in OpenAI's shape (what chat templates with tool support expect)."""
     return [t.model_dump(mode="json", exclude_none=True, by_alias=True) for t in tools]
-
-
-def hermes_system_prompt(tools: tuple[schemas.Tool, ...]) -> str:
-    """Tool instructions for templates without tool support (Hermes / Qwen2.5 style)."""
-    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in openai_tools(tools))
-    return (
-        "# Tools\n\n"
-        "You may call one or more functions to assist with the user query.\n\n"
-        "You are provided with function signatures within <tools></tools> XML tags:\n"
-        f"<tools>\n{lines}\n</tools>\n\n"
-        "For each function call, return a json object with function name and arguments within "
-        "<tool_call></tool_call> XML tags:\n"
-        '<tool_call>{"name": <function-name>, "arguments": <args-json-object>}</tool_call>'
-    )
-
-
-def hermes_call_text(
-    name: str, arguments: str, where: str = "arguments", max_depth: int = DEFAULT_MAX_JSON_DEPTH
-) -> str:
-    """An earlier assistant call, written back into the prompt the way the model emits it."""
-    try:
-        args = json.dumps(parse_json_text(arguments, where, max_depth), ensure_ascii=False)
-    except (json.JSONDecodeError, TypeError):
-        args = arguments
-    return f"{tag_begin(name)}{args}{TAG_END}"

@@ -234,18 +234,33 @@ def _structural_tags_grammar(
                 **schema,
                 "x-guidance": {**_json_options(opts), **schema.get("x-guidance", {})},
             }
+        begin = tag.begin
+        ref = _special_token_ref(trigger, tokenizer)
+        if ref is not None:
+            trigger, begin = ref, ref + begin[len(trigger) :]
         tags.append(
             llguidance.StructTag(
-                trigger=trigger, begin=tag.begin, grammar=json.dumps(schema), end=tag.end
+                trigger=trigger, begin=begin, grammar=json.dumps(schema), end=tag.end
             )
         )
     # `assume_special` writes a `<...>` trigger as a special-token reference: only correct when the
     # trigger really is one special token of this tokenizer (SmolLM2's `<tool_call>` is not).
     special = all(
-        _is_special_single_token(t.trigger, tokenizer) or not _looks_special(t.trigger)
+        t.trigger.startswith("<[")  # a `_special_token_ref`
+        or _is_special_single_token(t.trigger, tokenizer)
+        or not _looks_special(t.trigger)
         for t in tags
     )
     return str(llguidance.StructTag.to_grammar(tags, assume_special=special))
+
+
+def _special_token_ref(trigger: str, tokenizer: Tokenizer) -> str | None:
+    """`<[id]>` for a trigger that is one special token whose text is not `<...>` (Mistral's
+    `[TOOL_CALLS]`): Lark names such a token by id only, and as text it would never match it."""
+    if _looks_special(trigger):
+        return None
+    token = tokenizer.special_token(trigger)
+    return None if token is None else f"<[{token}]>"
 
 
 def _looks_special(trigger: str) -> bool:

@@ -1,7 +1,7 @@
 """Tokenizers from a model SPEC, shared by the grammar service and the worker.
 
 A SPEC is `default` (the embedded SmolLM2 GGUF), a GGUF file, a `tokenizer.json`, a Hugging Face
-checkpoint directory, or a Mistral Tekken json. Both services load the same SPEC and derive the same
+checkpoint directory (with `tokenizer.json`, or Mistral's `tekken.json`), or a Mistral Tekken json. Both services load the same SPEC and derive the same
 `Fingerprint`, which the session protocol compares before any mask is trusted.
 """
 
@@ -12,6 +12,7 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +93,9 @@ class Tokenizer:
     bos_token_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     spec: str = ""  # the SPEC it was loaded from ("" when built otherwise)
+    # Special-token text -> id where llguidance does not parse them out of text (Tekken's
+    # `[INST]`, `[TOOL_CALLS]`...: a rendered chat template must tokenize them as those tokens).
+    specials: dict[str, int] = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:
@@ -111,11 +115,30 @@ class Tokenizer:
         """
         if self.hf is not None:
             ids = list(self.hf.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+        elif self.specials:
+            ids = []
+            for i, piece in enumerate(self._special_split.split(text)):
+                if i % 2:  # the split pattern's group: a special token's text
+                    ids.append(self.specials[piece])
+                elif piece:
+                    ids.extend(self.ll.tokenize_str(piece, parse_special=False))
         else:
             ids = list(self.ll.tokenize_str(text, parse_special=True))
         if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    @functools.cached_property
+    def _special_split(self) -> re.Pattern[str]:
+        texts = sorted(self.specials, key=len, reverse=True)  # longest first: `[/INST]` vs `[`
+        return re.compile("(" + "|".join(map(re.escape, texts)) + ")")
+
+    def special_token(self, text: str) -> int | None:
+        """The id of the special token whose text is `text`, or None."""
+        if text in self.specials:
+            return self.specials[text]
+        ids = self.ll.tokenize_str(text, parse_special=True)
+        return ids[0] if len(ids) == 1 and self.ll.is_special_token(ids[0]) else None
 
     def decode_bytes(self, ids: list[int]) -> bytes:
         """Bytes of the tokens as generated text (special tokens render as their text)."""
@@ -196,10 +219,18 @@ def _from_tokenizer_json(path: Path, config: dict[str, Any], name: str) -> Token
 
 def _from_hf_dir(path: Path) -> Tokenizer:
     tj = path / "tokenizer.json"
-    if not tj.is_file():
-        raise TokenizerLoadError(f"{path}: no tokenizer.json")
     cfg_file = path / "tokenizer_config.json"
     config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    if not tj.is_file():
+        tekken = path / "tekken.json"
+        if not tekken.is_file():
+            raise TokenizerLoadError(f"{path}: no tokenizer.json (or tekken.json)")
+        # Mistral's repositories ship Tekken beside a tokenizer_config.json with the chat template.
+        return dataclasses.replace(
+            _from_tekken(tekken),
+            name=path.name,
+            chat_template=str(config.get("chat_template") or ""),
+        )
     if not config.get("eos_token"):
         gen = path / "generation_config.json"
         mcfg = path / "config.json"
@@ -353,7 +384,12 @@ def _from_tekken(path: Path) -> Tokenizer:
         eos_token="</s>",
         add_bos=True,
         bos_token_id=int(tek.bos_id),
+        # The named ones; the `<SPECIAL_n>` placeholders never appear in templates.
+        specials={t: i for t, i in specials.items() if not _PLACEHOLDER.fullmatch(t)},
     )
+
+
+_PLACEHOLDER = re.compile(r"<SPECIAL_\d+>")
 
 
 def tekken_path() -> Path:

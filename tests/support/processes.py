@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import openai
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from maskwire.tls import ClientTLS, make_sync_channel
@@ -144,3 +145,24 @@ def grammar_and_worker(
         ) as w,
     ):
         yield gs, w
+
+
+@contextlib.contextmanager
+def full_stack(
+    model: str, gateway_args: list[str] | tuple[str, ...] = ()
+) -> Iterator[ServiceProcess]:
+    """Grammar service + worker + gateway on one model SPEC (its tokenizer for the grammar
+    service); yields the gateway."""
+    with (
+        running("grammar-service", ["--tokenizer", model]) as gs,
+        running("worker", ["--model", model, "--grammar-service", gs.address]) as w,
+        running("gateway", ["--worker", w.address, *gateway_args], http=True) as g,
+    ):
+        yield g
+
+
+def openai_client(gateway: ServiceProcess, timeout_s: float = 300) -> openai.OpenAI:
+    """The official SDK pointed at a gateway process (no retries: a test sees every error)."""
+    return openai.OpenAI(
+        base_url=f"http://{gateway.address}/v1", api_key="x", max_retries=0, timeout=timeout_s
+    )

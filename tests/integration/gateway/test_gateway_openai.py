@@ -1,5 +1,6 @@
 """The gateway with the real `openai` client against a live stack (grammar service + worker +
-gateway, embedded SmolLM2). Every JSON output is checked with `jsonschema` (FormatChecker)."""
+gateway, embedded SmolLM2; the stack is shared with this package's other modules, `conftest.py`).
+Every JSON output is checked with `jsonschema` (FormatChecker)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import json
 import re
 import time
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -16,36 +16,11 @@ import openai
 import pydantic
 import pytest
 
-from tests.support.processes import ServiceProcess, free_port, grammar_and_worker, running
+from tests.support.processes import ServiceProcess, free_port, running
+from tests.support.processes import openai_client as sdk
 
 MODEL = "SmolLM2-135M-Instruct"
 FORMATS = jsonschema.FormatChecker()
-
-
-@pytest.fixture(scope="module")
-def worker_metrics_port() -> int:
-    return free_port()
-
-
-@pytest.fixture(scope="module")
-def worker(worker_metrics_port: int) -> Iterator[ServiceProcess]:
-    with grammar_and_worker(["--metrics-port", str(worker_metrics_port)]) as (_, w):
-        yield w
-
-
-@pytest.fixture(scope="module")
-def gw(worker: ServiceProcess) -> Iterator[ServiceProcess]:
-    with running("gateway", ["--worker", worker.address], http=True) as g:
-        yield g
-
-
-def sdk(g: ServiceProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{g.address}/v1", api_key="x", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def client(gw: ServiceProcess) -> openai.OpenAI:
-    return sdk(gw)
 
 
 def ask(client: openai.OpenAI, content: str, **kw: Any) -> Any:

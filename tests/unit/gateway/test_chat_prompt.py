@@ -9,6 +9,7 @@ import pytest
 from gateway import schemas, tools
 from gateway.chat_template import ChatTemplate, TemplateError, build_prompt
 from gateway.errors import APIError
+from gateway.tool_formats import FORMATS
 from tests.unit.gateway.fake_worker import CHATML
 
 WEATHER = {
@@ -33,7 +34,9 @@ NATIVE = (
 
 def render(template: str, **kw: Any) -> str:
     req = schemas.ChatCompletionRequest.model_validate({"model": "m", **kw})
-    return build_prompt(ChatTemplate(template, eos_token="<|im_end|>"), req, tools.plan(req))
+    return build_prompt(
+        ChatTemplate(template, eos_token="<|im_end|>"), req, tools.plan(req), FORMATS["hermes"]
+    )
 
 
 def test_embedded_model_template_renders_chatml() -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from gateway import constraints, schemas, tools
 from gateway.errors import APIError
+from gateway.tool_formats import FORMATS
 from gateway.tools import ToolMode
 from maskwire.v1 import common_pb2
 
@@ -180,8 +181,12 @@ def test_plan_contradictions_are_400(kw: dict[str, Any]) -> None:
     assert e.value.status == 400
 
 
+def _constraint(tp: tools.ToolPlan) -> common_pb2.Constraint | None:
+    return FORMATS["hermes"].output(tp).constraint
+
+
 def _required_schema(parallel: bool) -> dict[str, Any]:
-    c = tools.constraint(
+    c = _constraint(
         tools.plan(
             chat(tools=[WEATHER, TIME, PING], tool_choice="required", parallel_tool_calls=parallel)
         )
@@ -216,7 +221,7 @@ def test_required_without_parallel_allows_one_call() -> None:
 
 
 def test_named_constrains_with_the_tools_parameters() -> None:
-    c = tools.constraint(
+    c = _constraint(
         tools.plan(
             chat(
                 tools=[WEATHER, TIME],
@@ -231,7 +236,7 @@ def test_named_constrains_with_the_tools_parameters() -> None:
 
 
 def test_auto_uses_one_structural_tag_per_tool() -> None:
-    c = tools.constraint(tools.plan(chat(tools=[WEATHER, PING])))
+    c = _constraint(tools.plan(chat(tools=[WEATHER, PING])))
     assert c is not None and c.WhichOneof("kind") == "structural_tags"
     st = c.structural_tags
     assert list(st.triggers) == ["<tool_call>"]
@@ -246,7 +251,7 @@ def test_auto_uses_one_structural_tag_per_tool() -> None:
 
 
 def test_none_has_no_constraint() -> None:
-    assert tools.constraint(tools.plan(chat(tools=[WEATHER], tool_choice="none"))) is None
+    assert _constraint(tools.plan(chat(tools=[WEATHER], tool_choice="none"))) is None
 
 
 def test_forbid_additional_walks_nested_schemas() -> None:
@@ -275,4 +280,4 @@ def test_tool_schema_with_foreign_ref_is_400() -> None:
         },
     }
     with pytest.raises(APIError):
-        tools.constraint(tools.plan(chat(tools=[bad], tool_choice="required")))
+        _constraint(tools.plan(chat(tools=[bad], tool_choice="required")))

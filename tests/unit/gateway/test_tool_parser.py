@@ -7,11 +7,11 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.tool_formats.hermes import parser as hermes_parser
 from gateway.tool_parser import (
     CallDelta,
     ContentDelta,
     Delta,
-    HermesToolParser,
     JsonArrayCallParser,
     Merged,
     NamedCallParser,
@@ -52,7 +52,7 @@ def calls(m: Merged) -> list[tuple[str, object]]:
 
 
 def test_hermes_content_then_two_calls() -> None:
-    m, _ = run(HermesToolParser(), [TWO_CALLS])
+    m, _ = run(hermes_parser(), [TWO_CALLS])
     assert m.content == "Let me check.\n\n"
     assert calls(m) == [
         ("get_weather", {"city": "Paris", "days": [1, 2]}),
@@ -65,8 +65,8 @@ def test_hermes_content_then_two_calls() -> None:
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(0, len(TWO_CALLS)), max_size=12))
 def test_hermes_any_chunking_same_result(cuts: list[int]) -> None:
-    whole, _ = run(HermesToolParser(), [TWO_CALLS])
-    m, deltas = run(HermesToolParser(), split(TWO_CALLS, cuts))
+    whole, _ = run(hermes_parser(), [TWO_CALLS])
+    m, deltas = run(hermes_parser(), split(TWO_CALLS, cuts))
     assert m.content == whole.content
     assert calls(m) == calls(whole)
     # Each call is announced once (id + name first), then only argument pieces follow.
@@ -75,14 +75,14 @@ def test_hermes_any_chunking_same_result(cuts: list[int]) -> None:
 
 
 def test_hermes_char_by_char_streams_arguments_incrementally() -> None:
-    _, deltas = run(HermesToolParser(), list(TWO_CALLS))
+    _, deltas = run(hermes_parser(), list(TWO_CALLS))
     pieces = [d for d in deltas if isinstance(d, CallDelta) and d.index == 0]
     assert len(pieces) > 10  # arguments arrive as they are generated, not at the end
     assert pieces[0].name == "get_weather"
 
 
 def test_hermes_holds_back_partial_tag_only() -> None:
-    p = HermesToolParser()
+    p = hermes_parser()
     assert p.feed("Hello <tool_") == [ContentDelta("Hello ")]
     assert p.feed("box> x") == [ContentDelta("<tool_box> x")]
     assert p.finish() == []
@@ -90,43 +90,43 @@ def test_hermes_holds_back_partial_tag_only() -> None:
 
 def test_hermes_whitespace_inside_tag_and_parameters_alias() -> None:
     text = '<tool_call>\n{"name": "f", "parameters": {"a": 1}}\n</tool_call>'
-    m, _ = run(HermesToolParser(), [text])
+    m, _ = run(hermes_parser(), [text])
     assert m.content == ""
     assert calls(m) == [("f", {"a": 1})]
 
 
 def test_hermes_arguments_given_as_json_string() -> None:
     text = '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
-    m, _ = run(HermesToolParser(), [text])
+    m, _ = run(hermes_parser(), [text])
     assert calls(m) == [("f", {"a": 1})]
 
 
 def test_hermes_not_a_call_is_given_back_as_content() -> None:
     text = "<tool_call>oops</tool_call> done"
-    m, _ = run(HermesToolParser(), list(text))
+    m, _ = run(hermes_parser(), list(text))
     assert m.calls == []
     assert m.content == text
 
 
 def test_hermes_missing_arguments_becomes_empty_object() -> None:
-    m, _ = run(HermesToolParser(), ['<tool_call>{"name": "ping"}</tool_call>'])
+    m, _ = run(hermes_parser(), ['<tool_call>{"name": "ping"}</tool_call>'])
     assert calls(m) == [("ping", {})]
 
 
 def test_hermes_stop_string_cut_before_closing_tag() -> None:
     # parallel_tool_calls=false stops generation at `</tool_call>`, which is not returned.
-    m, _ = run(HermesToolParser(), ['<tool_call>{"name": "f", "arguments": {"x": true}}'])
+    m, _ = run(hermes_parser(), ['<tool_call>{"name": "f", "arguments": {"x": true}}'])
     assert calls(m) == [("f", {"x": True})]
 
 
 def test_hermes_truncated_call_keeps_partial_arguments() -> None:
-    m, _ = run(HermesToolParser(), ['<tool_call>{"name": "f", "arguments": {"x": "abc'])
+    m, _ = run(hermes_parser(), ['<tool_call>{"name": "f", "arguments": {"x": "abc'])
     assert [c.name for c in m.calls] == ["f"]
     assert m.calls[0].arguments == '{"x": "abc'
 
 
 def test_hermes_truncated_before_name_is_content() -> None:
-    m, _ = run(HermesToolParser(), ['hi <tool_call>{"na'])
+    m, _ = run(hermes_parser(), ['hi <tool_call>{"na'])
     assert m.calls == []
     assert m.content == 'hi <tool_call>{"na'
 

@@ -7,7 +7,7 @@ import pytest
 
 from grammar_service.compiler import ParserLimits, compile_constraint, to_grammar
 from maskwire.rpc import RpcError
-from maskwire.tokenizer import Tokenizer, load_tokenizer
+from maskwire.tokenizer import Tokenizer, load_tokenizer, tekken_path
 from maskwire.v1 import common_pb2
 
 
@@ -41,6 +41,28 @@ def test_structural_tags_use_lazy_trigger_for_non_special_text(tok: Tokenizer) -
     )
     lark2 = to_grammar(common_pb2.Constraint(structural_tags=st2), tok)
     assert "TAG_TEXT <|im_start|>" in lark2  # a real special token of SmolLM2
+
+
+def test_structural_tag_trigger_on_a_special_token_named_by_id() -> None:
+    """Mistral's `[TOOL_CALLS]` is one special token that Lark cannot name: it is matched by id,
+    so the model's token triggers the tag (its spelling in ordinary tokens stays free text)."""
+    tekken = load_tokenizer(str(tekken_path()))
+    st = common_pb2.StructuralTags(
+        triggers=["[TOOL_CALLS]"],
+        tags=[
+            common_pb2.StructuralTag(
+                begin="[TOOL_CALLS]", json_schema='{"type": "array", "maxItems": 0}', end=""
+            )
+        ],
+    )
+    constraint = common_pb2.Constraint(structural_tags=st)
+    assert "TAG_TEXT <[9]>" in to_grammar(constraint, tekken)
+    grammar = compile_constraint(constraint, tekken, ParserLimits())
+    m = grammar.new_matcher()
+    assert m.consume_tokens(tekken.encode("Hi[TOOL_CALLS][]")[1:]) and m.is_accepting()
+    m = grammar.new_matcher()
+    m.consume_tokens(tekken.encode("Hi[TOOL_CALLS][1]")[1:])
+    assert m.is_error()  # the array had to be empty
 
 
 @pytest.mark.parametrize(
