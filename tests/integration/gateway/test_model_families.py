@@ -70,7 +70,7 @@ def thinking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI
 def llama3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     yield from _client(
         tmp_path_factory.mktemp("llama") / "llama3",
-        chat_template=(TEMPLATES / "llama3.1_json.jinja").read_text(),
+        chat_template=(TEMPLATES / "llama3_json.jinja").read_text(),
         tokenizer_json=smollm_with_specials(LLAMA_SPECIALS),
         eos_token="<|eot_id|>",
         bos_token="<|begin_of_text|>",

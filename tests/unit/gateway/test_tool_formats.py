@@ -223,7 +223,7 @@ def test_detected_from_the_chat_template() -> None:
         return detect((TEMPLATES / name).read_text())
 
     assert fmt("mistral_v3_tekken.jinja").name == "mistral"
-    assert fmt("llama3.1_json.jinja").name == "llama3_json"
+    assert fmt("llama3_json.jinja").name == "llama3_json"
     assert fmt("chatml_think.jinja").name == "hermes"
     assert detect(CHATML).name == "hermes"
 
@@ -278,12 +278,12 @@ def test_mistral_template_gets_nine_character_ids() -> None:
 def test_llama3_template_renders_calls_and_results() -> None:
     req = chat(messages=_conversation("call_1"))
     template = ChatTemplate(
-        (TEMPLATES / "llama3.1_json.jinja").read_text(),
+        (TEMPLATES / "llama3_json.jinja").read_text(),
         bos_token="<|begin_of_text|>",
         eos_token="<|eot_id|>",
     )
     prompt = build_prompt(template, req, tools.plan(req), FORMATS["llama3_json"])
-    assert 'Respond in the format {"name": function name, "parameters"' in prompt
+    assert '{"name": <function name>, "parameters": <arguments as an object>}' in prompt
     assert (
         '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", '
         '"parameters": {"city": "Paris"}}<|eot_id|>' in prompt
