@@ -22,7 +22,7 @@ from grammar_service.servicer import GrammarServicer
 from maskwire.rpc import Server, start_metrics_server
 from maskwire.tls import server_tls_mode
 from maskwire.tokenizer import TokenizerLoadError, load_tokenizer
-from maskwire.v1 import grammar_pb2, grammar_pb2_grpc
+from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc
 
 log = logging.getLogger("grammar_service")
 
@@ -77,6 +77,7 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
         timeout_s=args.compile_timeout_s,
         max_schema_bytes=args.max_schema_bytes,
         sandbox=sandbox,
+        schema_mode=common_pb2.SchemaMode.Value(f"SCHEMA_MODE_{args.schema_mode.upper()}"),
         poison=PoisonList(state_dir(args), args.poison_ttl_s),
     )
     return Runtime(
