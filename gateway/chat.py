@@ -108,6 +108,7 @@ def plan_chat(
     )
     if constraint is not None:
         generate.constraint.CopyFrom(constraint)
+        constraints.with_schema_mode(generate.constraint, req.schema_mode)
     return ChatPlan(generate, param, parser, tp.mode)
 
 
@@ -138,7 +139,7 @@ async def handle(
                 ctx, stream, _stream(ctx, stream, plan, rid, created, req.model, include_usage)
             )
         body = await unless_disconnected(request, _collect(stream, plan, rid, created, req.model))
-        return JSONResponse(body)
+        return JSONResponse(body, headers=stream.headers)
     finally:
         if not released:
             ctx.limiter.release()

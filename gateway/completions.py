@@ -60,6 +60,7 @@ def plan_completion(
     spec = constraints.from_request(req, max_json_depth)
     if spec is not None:
         gen.constraint.CopyFrom(spec.constraint)
+        constraints.with_schema_mode(gen.constraint, req.schema_mode)
     return gen, spec.param if spec else None
 
 
@@ -99,7 +100,7 @@ async def handle(ctx: Context, request: Request, req: schemas.CompletionRequest)
                 ctx, stream, _stream(ctx, stream, rid, created, req.model, echo, include_usage)
             )
         body = await unless_disconnected(request, _collect(stream, rid, created, req.model, echo))
-        return JSONResponse(body)
+        return JSONResponse(body, headers=stream.headers)
     finally:
         if not released:
             ctx.limiter.release()
