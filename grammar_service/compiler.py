@@ -34,7 +34,8 @@ from grammar_service.json_options import (
 )
 from grammar_service.json_options import forbid_additional_properties as _forbid
 from grammar_service.schema.checks import OutputChecks
-from grammar_service.schema.layer import NeedsRuntime, fallback_for, grammar_keywords, prepare
+from grammar_service.schema.fallbacks import next_fallback
+from grammar_service.schema.layer import NeedsRuntime, grammar_keywords, prepare
 from grammar_service.schema.report import Report
 from maskwire.rpc import RpcError
 from maskwire.tokenizer import Tokenizer
@@ -470,14 +471,14 @@ def retry_relaxed(
     err: RpcError, relax: frozenset[str], constraint: common_pb2.Constraint, default_mode: int
 ) -> frozenset[str]:
     """The schema layer's fallbacks to translate again with after the grammar compiler refused
-    a prepared schema with `err` (`schema.layer.fallback_for`); re-raises `err` when there is
-    none left to try."""
+    a prepared schema with `err` (`schema.fallbacks`); re-raises `err` when there is none left
+    to try."""
     kind = constraint.WhichOneof("kind")
     if kind in ("json_schema", "structural_tags") and (
         schema_mode(constraint.json_options, default_mode) == COMPLETE
     ):
-        name = fallback_for(err.message)
-        if name is not None and name not in relax:
+        name = next_fallback(err.message, relax)
+        if name is not None:
             return relax | {name}
     raise err
 

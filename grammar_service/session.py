@@ -534,7 +534,10 @@ class Session:
         spent[i] += time.thread_time() - t0
         if err is None:
             return True
-        self._kill(req, f"the token violates the schema: {err}", "TOKEN_REJECTED")
+        if req.monitor.cut_short:  # the mask allowed it untried (the check ran out of time)
+            self._unsatisfied(req, f"the output violates the schema: {err}")
+        else:
+            self._kill(req, f"the token violates the schema: {err}", "TOKEN_REJECTED")
         return False
 
     def _forced_ok(self, req: Request, forced: list[int], spent: list[float], i: int) -> bool:

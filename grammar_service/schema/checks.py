@@ -47,6 +47,18 @@ class NodeChecks:
 
 
 _NONE = NodeChecks(False, False, None, None, None)
+_PREFIX_CHECKED = frozenset({"uniqueItems", "maxProperties", "propertyNames"})
+_CERTAIN = frozenset(
+    {
+        "properties",
+        "patternProperties",
+        "additionalProperties",
+        "items",
+        "prefixItems",
+        "additionalItems",
+        "allOf",
+    }
+)
 
 
 def first_error(validator: Validator, value: Any) -> str | None:
@@ -120,7 +132,9 @@ class OutputChecks:
         max_props = node.get("maxProperties") if "maxProperties" in keys else None
         max_contains = node.get("maxContains") if "contains" in node else None
         return NodeChecks(
-            value=True,
+            # Keywords checked as items, keys and members arrive need no check at the end. The
+            # whole output is checked as it completes only when that can find more.
+            value=self._steer_document() if ptr == "#" else bool(keys - _PREFIX_CHECKED),
             unique="uniqueItems" in keys,
             max_properties=max_props if isinstance(max_props, int) else None,
             names=child(ptr, "propertyNames") if "propertyNames" in keys else None,
@@ -128,6 +142,31 @@ class OutputChecks:
             if "contains" in keys and isinstance(max_contains, int)
             else None,
         )
+
+    def _steer_document(self) -> bool:
+        """Whether checking the whole output as its last token is chosen can find what the
+        checks at certain locations do not: a run-time keyword at the root that needs the end,
+        or one at a location that may not apply (under anyOf, oneOf, not, if, ...)."""
+        if self.runtime.get("#", frozenset()) - _PREFIX_CHECKED:
+            return True
+        certain = self._certain()
+        return any(p not in certain for p in self.runtime)
+
+    def _certain(self) -> set[str]:
+        """Locations that apply whenever their value exists (see the module docstring)."""
+        found: set[str] = set()
+        stack = ["#"]
+        while stack:
+            ptr = stack.pop()
+            node = resolve(self.schema, ptr)
+            if ptr in found or not isinstance(node, dict):
+                continue
+            found.add(ptr)
+            stack.extend(p for key, p, _ in subschemas(node, ptr) if key in _CERTAIN)
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                stack.append(ref if ref != "#/" else "#")
+        return found
 
     def start(self, kind: str) -> Nodes:
         """The locations that certainly apply to the whole output, a value of `kind`."""

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from grammar_service.schema import formats, rewrite
+from grammar_service.schema import fallbacks, formats, rewrite
 from grammar_service.schema.keywords import (
     ANNOTATIONS,
     COUNTS,
@@ -97,15 +97,6 @@ class Prepared:
     runtime: dict[str, frozenset[str]]
 
 
-# llguidance refusals that a broader relaxation avoids: message fragment -> relaxation name.
-_FALLBACKS = {"patternProperty regexes": "patterns"}
-
-
-def fallback_for(message: str) -> str | None:
-    """The relaxation to retry with after llguidance refused a prepared schema with `message`."""
-    return next((name for text, name in _FALLBACKS.items() if text in message), None)
-
-
 def prepare(
     schema: dict[str, Any],
     mode: int,
@@ -114,8 +105,8 @@ def prepare(
     relax: frozenset[str] = frozenset(),
 ) -> Prepared:
     """Run the layer over `schema` (not modified). `runtime` False: a keyword that would need
-    the output check raises NeedsRuntime instead. `relax`: fallbacks (`fallback_for`) to apply
-    where llguidance refused the precise form."""
+    the output check raises NeedsRuntime instead. `relax`: the `fallbacks` to apply, after
+    llguidance refused the precise form."""
     walk = _Walk(schema, Report(mode=mode, validated=runtime), runtime, relax)
     out = walk.process(schema, "#")
     walk.relocate(out)
@@ -268,6 +259,7 @@ class _Walk:
                 name = names.setdefault(id(made), f"maskwire:{len(names)}")
                 defs[name] = made
                 node["$ref"] = f"#/$defs/{name}"
+                stack.append(made)  # its own references need the same treatment
             stack.extend(node.values())
         if defs:
             out["$defs"] = {**out.get("$defs", {}), **defs}
@@ -452,17 +444,20 @@ class _Walk:
                 out[target] = self.process(node[key], child(ptr, key))
                 self.rewritten(key, ptr, f"as '{target}' (no applicator beside it)")
 
-    def patterns(
+    def fallbacks(
         self, node: dict[str, Any], ptr: str, out: dict[str, Any], extra: list[Any]
     ) -> None:
-        """Fallback `patterns`: llguidance needs patternProperties to be disjoint; overlapping
-        ones become one pattern whose schema is the anyOf of theirs (a superset)."""
-        given = out.get("patternProperties")
-        if "patterns" not in self.relax_also or not isinstance(given, dict) or len(given) < 2:
+        """The broader relaxations a retry asked for (`fallbacks`), where their forms occur."""
+        if not self.relax_also:
             return
-        merged = "|".join(f"(?:{p})" for p in given)
-        out["patternProperties"] = {merged: {"anyOf": list(given.values())}}
-        self.relax("patternProperties", ptr, "overlapping patterns merged into one")
+        if "patterns" in self.relax_also:
+            fallbacks.merge_patterns(out, ptr, self.relax)
+        if "patterns_folded" in self.relax_also:
+            fallbacks.fold_patterns(out, ptr, self.relax)
+        if "strings" in self.relax_also:
+            fallbacks.loosen_strings(out, ptr, self.relax)
+        if "intersections" in self.relax_also:
+            fallbacks.thin_intersections(out, ptr, self.relax, self.is_recursive)
 
     def format(self, node: dict[str, Any], ptr: str, out: dict[str, Any], extra: list[Any]) -> None:
         name = node.get("format")
@@ -517,7 +512,7 @@ _HANDLERS: tuple[Handler, ...] = (
     _Walk.property_names,
     _Walk.property_counts,
     _Walk.unevaluated,
-    _Walk.patterns,
+    _Walk.fallbacks,
     _Walk.format,
     _Walk.dynamic,
 )

@@ -19,7 +19,9 @@ grammar says it is complete.
 
 from __future__ import annotations
 
+import functools
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,8 @@ from grammar_service.schema.keywords import canon
 from grammar_service.schema.scanner import (
     CONTAINERS,
     KEY,
+    KEY_NEXT,
+    KEY_OR_END,
     OBJ,
     ROOT,
     STR,
@@ -41,15 +45,27 @@ from grammar_service.schema.scanner import (
 from maskwire.tokenizer import Tokenizer
 
 _CLOSERS = frozenset(b"]}")
+# CPU time the mask filter of one row may spend trying candidate tokens. Past it, the rest stay
+# allowed untried: the output is still validated (a violating token then ends the request with
+# CONSTRAINT_UNSATISFIABLE), only the steering is cut short. Validating a string against a big
+# negated schema costs ~50 µs, and a free string allows ~160 of SmolLM2's closing tokens.
+LOOKAHEAD_BUDGET_S = 0.004
+_BUDGET_EVERY = 16  # candidates between clock reads
 
 
 @dataclass(frozen=True)
 class TokenClasses:
-    """Per tokenizer: every token's bytes, which contain a quote, how many closers each has."""
+    """Per tokenizer: every token's bytes, and which tokens can complete something where."""
 
     token_bytes: list[bytes]
-    quote_ids: np.ndarray  # int64 ids of tokens with a `"` byte
+    quote_ids: np.ndarray  # int64 ids of tokens with a `"` byte (inside a string)
+    # int64 ids of tokens that, where a value or a key is expected, complete one (`""`, `1,`,
+    # `{}`, `true`, `"a":`), or close a container
+    starting_ids: np.ndarray
     closers: np.ndarray  # int32 per token: `]` and `}` bytes
+    # bool per token: text then one closing `"` at its end, nothing else (no escape, no other
+    # quote): inside a string it completes the string and nothing more
+    closes_string: np.ndarray
     eos: np.ndarray  # int64 EOS ids
     special: np.ndarray  # bool per token: special (never JSON text)
 
@@ -58,6 +74,8 @@ _CLASSES: dict[bytes, TokenClasses] = {}
 
 
 def token_classes(tok: Tokenizer) -> TokenClasses:
+    """Computed once per tokenizer (about a second for a 128k vocabulary: the service does it at
+    start)."""
     key = tok.fingerprint.tokens_sha256
     found = _CLASSES.get(key)
     if found is None:
@@ -65,15 +83,58 @@ def token_classes(tok: Tokenizer) -> TokenClasses:
         special = np.array(
             [bool(tok.ll.is_special_token(i)) for i in range(tok.vocab_size)], dtype=bool
         )
+        closers = np.array([sum(c in _CLOSERS for c in b) for b in data], dtype=np.int32)
+        starting = [i for i, b in enumerate(data) if closers[i] or _completes(b)]
         found = TokenClasses(
             token_bytes=data,
             quote_ids=np.array([i for i, b in enumerate(data) if b'"' in b], dtype=np.int64),
-            closers=np.array([sum(c in _CLOSERS for c in b) for b in data], dtype=np.int32),
+            starting_ids=np.array(starting, dtype=np.int64),
+            closers=closers,
+            closes_string=np.array(
+                [b.endswith(b'"') and b.count(b'"') == 1 and b"\\" not in b for b in data],
+                dtype=bool,
+            ),
             eos=np.array(tok.eos_token_ids, dtype=np.int64),
             special=special,
         )
         _CLASSES[key] = found
     return found
+
+
+class _Probe:
+    """A scanner handler that only notes whether anything completed."""
+
+    def __init__(self) -> None:
+        self.hit = False
+
+    def value_start(self, scanner: Scanner, parent: Frame, kind: str) -> tuple[str, ...]:
+        return ()
+
+    def value_end(self, scanner: Scanner, frame: Frame, end: int) -> str | None:
+        self.hit = True
+        return None
+
+    def key_end(self, scanner: Scanner, obj: Frame, start: int, end: int) -> str | None:
+        self.hit = True
+        return None
+
+    def member(self, scanner: Scanner, obj: Frame) -> str | None:
+        self.hit = True
+        return None
+
+
+def _completes(data: bytes) -> bool:
+    """Whether `data`, where an array item or an object key is expected, completes one. (Text
+    that is not JSON there is never allowed by the grammar; if it were, the request's scanner
+    would lose track and only the final validation would remain.)"""
+    for opening in (b"[", b"{"):
+        probe = _Probe()
+        scanner = Scanner(probe)
+        scanner.commit(opening)
+        scanner.commit(data)
+        if probe.hit:
+            return True
+    return False
 
 
 def _bits(row: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -102,6 +163,9 @@ class Monitor:
         self.text = bytearray()  # the output so far (tier 0)
         self.scanner = Scanner(self) if checks.tracked else None
         self._verdict: tuple[int, str | None] = (-1, None)  # (output length, document error)
+        self.cut_short = False  # the last filter left candidates untried (LOOKAHEAD_BUDGET_S)
+        self._memo_value: dict[tuple[str, ...], tuple[str, ...]] = {}
+        self._memo_items: dict[tuple[str, ...], tuple[NodeChecks, ...]] = {}
 
     @property
     def tracked(self) -> bool:
@@ -180,13 +244,39 @@ class Monitor:
         top = s.top
         if top.kind in (STR, KEY):
             ids = c.quote_ids
-        else:
+        elif top.kind in (ROOT, *CONTAINERS) and top.state in (
+            VALUE,
+            VALUE_OR_END,
+            KEY_OR_END,
+            KEY_NEXT,
+        ):
+            ids = c.starting_ids
+        else:  # inside a number or literal, after a value or a key: few tokens are allowed
             ids = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
             ids = ids[ids < len(c.token_bytes)]
         if need:
             ids = ids[c.closers[ids] >= need]
         ids = ids[_bits(row, ids) & ~c.special[ids]]
-        banned = [t for t in ids.tolist() if s.fork().trial(c.token_bytes[t]) is not None]
+        if top.kind in (STR, KEY) and not top.esc:
+            # Most candidates only close the string: check the string they make, no scanning.
+            simple = c.closes_string[ids]
+            ids = np.concatenate([ids[simple], ids[~simple]])
+            n_simple = int(simple.sum())
+        else:
+            n_simple = 0
+        banned: list[int] = []
+        t0 = time.thread_time()
+        self.cut_short = False
+        for k, t in enumerate(ids.tolist()):
+            if k % _BUDGET_EVERY == 0 and k and time.thread_time() - t0 > LOOKAHEAD_BUDGET_S:
+                self.cut_short = True
+                break
+            if k < n_simple:
+                bad = self._closing_error(s, c.token_bytes[t]) is not None
+            else:
+                bad = s.fork().trial(c.token_bytes[t]) is not None
+            if bad:
+                banned.append(t)
         if banned:
             _clear(row, np.array(banned, dtype=np.int64))
         return len(banned)
@@ -220,53 +310,85 @@ class Monitor:
             return self.checks.child(parent.nodes, parent.count, kind) if parent.nodes else ()
         return self.checks.start(kind)
 
-    def value_end(self, scanner: Scanner, frame: Frame, end: int) -> str | None:
-        parent = scanner.frames[-1]
-        checked = [p for p in frame.nodes if self.checks.checks(p).value]
-        item_checks = [self.checks.checks(p) for p in parent.nodes] if parent.kind != OBJ else []
-        item_checks = [k for k in item_checks if k.items]
+    def _closing_error(self, s: Scanner, token: bytes) -> str | None:
+        """What the scanner would answer to `token` (text and a closing quote) inside the string
+        on top, without scanning it."""
+        top, parent = s.frames[-1], s.frames[-2]
+        text = s.text(top.start, len(s.base) + len(s.tail)) + token
+        if top.kind == KEY:
+            return self._key_error(parent, _value(text))
+        return self._value_error(top, parent, text)
+
+    def _value_error(self, frame: Frame, parent: Frame, text: bytes) -> str | None:
+        """A violation when `frame`, an item or member of `parent`, ends as `text`."""
+        checked = self._value_checked(frame.nodes)
+        item_checks = self._item_checks(parent.nodes) if parent.kind != OBJ else ()
         if not checked and not item_checks:
             return None
-        value = _value(scanner.text(frame.start, end))
+        value = _value(text)
         for ptr in checked:
             err = self.checks.node_error(ptr, value)
             if err:
                 return f"{ptr}: {err}"
-        if item_checks:
-            return self._item(scanner, parent, value, item_checks)
-        return None
+        return self._item_error(parent, value, item_checks) if item_checks else None
 
-    def _item(
-        self, scanner: Scanner, arr: Frame, value: Any, checks: list[NodeChecks]
-    ) -> str | None:
-        state: tuple[set[Any], int] = arr.data or (set(), 0)
-        seen, matched = state
-        key = canon(value)
-        if any(k.unique for k in checks) and key in seen:
+    def value_end(self, scanner: Scanner, frame: Frame, end: int) -> str | None:
+        parent = scanner.frames[-1]
+        err = self._value_error(frame, parent, scanner.text(frame.start, end))
+        if err is None and parent.kind != OBJ and self._item_checks(parent.nodes):
+            self._remember_item(scanner, parent, _value(scanner.text(frame.start, end)))
+        return err
+
+    def _value_checked(self, nodes: tuple[str, ...]) -> tuple[str, ...]:
+        """The locations among `nodes` whose completed value is validated."""
+        found = self._memo_value.get(nodes)
+        if found is None:
+            found = self._memo_value[nodes] = tuple(p for p in nodes if self.checks.checks(p).value)
+        return found
+
+    def _item_checks(self, nodes: tuple[str, ...]) -> tuple[NodeChecks, ...]:
+        """The item checks (uniqueItems, maxContains) of an array at `nodes`."""
+        found = self._memo_items.get(nodes)
+        if found is None:
+            checks = (self.checks.checks(p) for p in nodes)
+            found = self._memo_items[nodes] = tuple(k for k in checks if k.items)
+        return found
+
+    def _item_error(self, arr: Frame, value: Any, checks: tuple[NodeChecks, ...]) -> str | None:
+        seen, matched = arr.data or (set(), 0)
+        if any(k.unique for k in checks) and canon(value) in seen:
             return f"item {arr.count} repeats an earlier item (uniqueItems)"
         for k in checks:
             if k.contains is not None:
                 where, most = k.contains
-                if self.checks.node_error(where, value) is None:
-                    matched += 1
-                if matched > most:
+                if matched + (self.checks.node_error(where, value) is None) > most:
                     return f"more than {most} items match 'contains' (maxContains)"
-        if scanner.tail:  # a trial: leave the shared state alone
-            arr.data = (seen | {key}, matched)
-        else:
-            seen.add(key)
-            arr.data = (seen, matched)
         return None
+
+    def _remember_item(self, scanner: Scanner, arr: Frame, value: Any) -> None:
+        """Count a valid item in: its canonical form for uniqueItems, a `contains` match."""
+        seen, matched = arr.data or (set(), 0)
+        contains = [k.contains for k in self._item_checks(arr.nodes) if k.contains is not None]
+        if any(self.checks.node_error(where, value) is None for where, _ in contains):
+            matched += 1
+        if scanner.tail:  # a trial: leave the shared state alone
+            arr.data = (seen | {canon(value)}, matched)
+        else:
+            seen.add(canon(value))
+            arr.data = (seen, matched)
 
     def key_end(self, scanner: Scanner, obj: Frame, start: int, end: int) -> str | None:
         key = _value(scanner.text(start, end))
         obj.key = key if isinstance(key, str) else ""
+        return self._key_error(obj, obj.key)
+
+    def _key_error(self, obj: Frame, key: Any) -> str | None:
         for ptr in obj.nodes:
             names = self.checks.checks(ptr).names
             if names is not None:
-                err = self.checks.node_error(names, obj.key)
+                err = self.checks.node_error(names, key)
                 if err:
-                    return f"property name {obj.key!r} (propertyNames): {err}"
+                    return f"property name {key!r} (propertyNames): {err}"
         return None
 
     def member(self, scanner: Scanner, obj: Frame) -> str | None:
@@ -285,8 +407,11 @@ def _document_error(checks: OutputChecks, text: bytes) -> str | None:
     return checks.document_error(value)
 
 
+@functools.lru_cache(maxsize=4096)
 def _value(text: bytes) -> Any:
+    """A completed value (the mask tries many tokens that complete the same one). Callers never
+    change it."""
     try:
-        return json.loads(text)
+        return json.loads(text.decode("utf-8", "surrogatepass"))
     except (ValueError, RecursionError):
         return None

@@ -162,8 +162,10 @@ def _not_type(t: Any) -> Any:
 def condition(if_schema: Any, node: dict[str, Any], resolve: Resolver) -> tuple[Any, Any] | None:
     """(holds, fails): positive schemas for "`if` validates" and "it does not", when `if` tests
     properties of an object against finitely many values (or their presence). None otherwise."""
-    if if_schema is True or if_schema == {}:
+    if if_schema is True or _only(if_schema):
         return True, False
+    if if_schema is False:
+        return False, True
     if not _only(if_schema, "properties", "required", "type"):
         return None
     if "type" in if_schema and kinds_of(node) != frozenset({"object"}):

@@ -21,7 +21,7 @@ VALUE, VALUE_OR_END, AFTER, KEY_OR_END, KEY_NEXT, COLON, DONE = range(7)
 
 _WS = frozenset(b" \t\n\r")
 _NUMBER = frozenset(b"0123456789+-.eE")
-_LITERALS = {ord("t"): 4, ord("f"): 5, ord("n"): 4}
+_LITERALS = {ord("t"): "true", ord("f"): "false", ord("n"): "null"}
 _KIND = {
     ord("{"): "object",
     ord("["): "array",
@@ -35,7 +35,8 @@ _KIND = {
 
 class Frame:
     """One open value. `nodes`: its schema locations (from the handler); containers count their
-    members/items and remember the current key; `data` is the handler's per-value state."""
+    members/items and remember the current key (a literal: the word it spells, `left` bytes to
+    go); `data` is the handler's per-value state."""
 
     __slots__ = ("count", "data", "esc", "key", "kind", "left", "nodes", "start", "state")
 
@@ -156,6 +157,9 @@ class Scanner:
                     return err
                 continue
             if kind == LIT:
+                if c != ord(f.key[len(f.key) - f.left]):
+                    self.lost = True  # not JSON: the grammar never allows it
+                    return None
                 f = self._mine()
                 f.left -= 1
                 i += 1
@@ -193,7 +197,8 @@ class Scanner:
                 self._push(Frame(STR, pos, nodes))
             elif c in _LITERALS:
                 lit = Frame(LIT, pos, nodes)
-                lit.left = _LITERALS[c] - 1
+                lit.key = _LITERALS[c]  # the literal it must spell
+                lit.left = len(lit.key) - 1
                 self._push(lit)
             else:
                 self._push(Frame(NUM, pos, nodes))

@@ -285,3 +285,35 @@ def test_references_into_dropped_keywords_still_resolve() -> None:
     assert target.startswith("#/$defs/") and out["$defs"][target.split("/")[-1]] == {
         "type": "integer"
     }
+
+
+def test_patterns_of_intersected_objects_fold_into_the_check(tok: Tokenizer) -> None:
+    schema = {
+        "type": "object",
+        "allOf": [
+            {"patternProperties": {"a": {"type": "integer"}}},
+            {"patternProperties": {"b": {"type": "string"}}},
+        ],
+    }
+    compiled = compile_schema(schema, tok)
+    assert walk(compiled, tok, '{"a": 1, "b": "x"}').accepted
+    assert not walk(compiled, tok, '{"ab": 1}').accepted  # must be an integer and a string
+
+
+def test_string_regexes_llguidance_cannot_intersect_are_checked(tok: Tokenizer) -> None:
+    schema = {"type": "string", "pattern": "^([a-z][0-9])+$", "minLength": 10000}
+    compiled = compile_schema(schema, tok)
+    assert compiled.report is not None
+    assert ("minLength", RUNTIME) in {(k.keyword, k.enforcement) for k in compiled.report.keywords}
+    assert not walk(compiled, tok, '"a1b2"').accepted  # too short: the output check says so
+
+
+def test_intersections_keep_one_recursive_reference() -> None:
+    tree = {"type": "object", "additionalProperties": {"$ref": "#/$defs/t"}}
+    schema = {
+        "$defs": {"t": tree, "u": {"additionalProperties": {"$ref": "#/$defs/u"}}},
+        "allOf": [{"$ref": "#/$defs/t"}, {"$ref": "#/$defs/u"}, {"minProperties": 1}],
+    }
+    prepared = prepare(schema, common_pb2.SCHEMA_MODE_COMPLETE, relax=frozenset({"intersections"}))
+    assert prepared.schema["allOf"] == [{"$ref": "#/$defs/t"}, {"minProperties": 1}]
+    assert prepared.runtime == {"#/allOf/1": frozenset({"allOf"})}

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from grammar_service.schema import monitor
 from grammar_service.session import Session
 from maskwire.bitmask import step_masks
 from maskwire.rpc import RpcError
@@ -127,3 +128,15 @@ async def test_a_complete_output_that_does_not_validate_is_not_a_success(tok: To
     res = step(s, '"2021-02-29"', 0)  # llguidance's date grammar lets it through
     err = RpcError.from_status(res.rows[0].error)
     assert err.reason == "CONSTRAINT_UNSATISFIABLE" and "does not validate" in err.message
+
+
+async def test_a_check_cut_short_still_never_lets_a_violation_through(
+    tok: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(monitor, "LOOKAHEAD_BUDGET_S", -1.0)  # stop after the first candidates
+    s, _ = await opened(tok, UNIQUE_STRINGS)
+    res = step(s, '["a", "a', 0)
+    assert res.rows[0].status == OK
+    res = step(s, '"', len(tok.ll.tokenize_str('["a", "a')))  # allowed untried: a duplicate
+    err = RpcError.from_status(res.rows[0].error)
+    assert err.reason == "CONSTRAINT_UNSATISFIABLE" and "uniqueItems" in err.message
