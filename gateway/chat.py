@@ -114,6 +114,7 @@ def plan_chat(
     )
     if constraint is not None:
         generate.constraint.CopyFrom(constraint)
+        constraints.with_schema_mode(generate.constraint, req.schema_mode)
     return ChatPlan(generate, param, out.parser, tp.mode, bool(marker))
 
 

@@ -59,6 +59,7 @@ def plan_completion(
     spec = constraints.from_request(req, max_json_depth)
     if spec is not None:
         gen.constraint.CopyFrom(spec.constraint)
+        constraints.with_schema_mode(gen.constraint, req.schema_mode)
     return gen, spec.param if spec else None
 
 

@@ -36,6 +36,14 @@ def json_options(
     return opts
 
 
+def with_schema_mode(constraint: common_pb2.Constraint, mode: str | None) -> None:
+    """Apply the request's `schema_mode` extension (JSON schemas only; unset: the service's)."""
+    if mode is not None and constraint.WhichOneof("kind") in ("json_schema", "structural_tags"):
+        constraint.json_options.schema_mode = common_pb2.SchemaMode.Value(
+            f"SCHEMA_MODE_{mode.upper()}"
+        )
+
+
 def schema_text(schema: Any, param: str, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> str:
     """Serialize a JSON Schema given as an object (or as JSON text) after a shape check."""
     if isinstance(schema, str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -18,7 +19,7 @@ from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_BYTES
 from gateway.metrics import GatewayMetrics
 from gateway.workers import WorkerPool
 from maskwire.text import utf8_len
-from maskwire.v1 import worker_pb2
+from maskwire.v1 import common_pb2, worker_pb2
 
 T = TypeVar("T")
 
@@ -31,6 +32,37 @@ _FINISH_OK = (
     worker_pb2.FINISH_REASON_STOP_STRING,
     worker_pb2.FINISH_REASON_LENGTH,
 )
+
+
+# The response header that reports how a JSON schema is enforced (docs/api.md).
+SCHEMA_HEADER = "X-Maskwire-Schema-Enforcement"
+_HEADER_LIMIT = 1024
+_KEYWORD = re.compile(r"^[A-Za-z$_-]{1,64}$")
+# The grammar service's message when no continuation of an output validates.
+UNSATISFIED = "constraint could not be satisfied"
+
+
+def schema_header(report: common_pb2.SchemaReport) -> str:
+    """`mode=complete; validated; rewritten=a,b; runtime=c; annotation=d`: the keywords of each
+    kind, by name (locations and details are in the Compile RPC's report)."""
+    parts = [f"mode={common_pb2.SchemaMode.Name(report.mode).removeprefix('SCHEMA_MODE_').lower()}"]
+    if report.validated:
+        parts.append("validated")
+    for how, label in (
+        (common_pb2.ENFORCEMENT_REWRITTEN, "rewritten"),
+        (common_pb2.ENFORCEMENT_RUNTIME, "runtime"),
+        (common_pb2.ENFORCEMENT_ANNOTATION, "annotation"),
+    ):
+        names = sorted(
+            {
+                k.keyword
+                for k in report.keywords
+                if k.enforcement == how and _KEYWORD.match(k.keyword)
+            }
+        )
+        if names:
+            parts.append(f"{label}={','.join(names)}")
+    return "; ".join(parts)[:_HEADER_LIMIT]
 
 
 class ClientDisconnected(Exception):
@@ -174,6 +206,7 @@ class WorkerStream:
         self.gen = gen
         self.first: worker_pb2.GenerateResponse | None = None
         self.final: worker_pb2.GenerateResponse | None = None
+        self.headers: dict[str, str] = {}
         self.started = time.monotonic()
         self.done = False  # the HTTP response was written to the end (incl. an error event)
 
@@ -197,6 +230,8 @@ class WorkerStream:
         except BaseException:
             await self.aclose()
             raise
+        if self.first.HasField("schema_report"):
+            self.headers[SCHEMA_HEADER] = schema_header(self.first.schema_report)
         ctx.metrics.first_token.labels(endpoint).observe(time.monotonic() - self.started)
         return self
 
@@ -218,6 +253,13 @@ class WorkerStream:
                         "the request was aborted on the worker",
                         type="server_error",
                         code="aborted",
+                    )
+                if UNSATISFIED in msg.error:
+                    raise errors.APIError(
+                        500,
+                        f"generation failed: {msg.error}",
+                        type="server_error",
+                        code="constraint_unsatisfied",
                     )
                 raise errors.internal(f"generation failed: {msg.error or 'unknown error'}")
             usage = msg.usage
@@ -251,7 +293,7 @@ def event_stream(ctx: Context, stream: WorkerStream, body: AsyncIterator[bytes])
             time.monotonic() - stream.started
         )
 
-    return sse.EventStream(body, cleanup)
+    return sse.EventStream(body, cleanup, stream.headers)
 
 
 async def respond(
@@ -273,7 +315,7 @@ async def respond(
         if stream is not None:
             released = True  # the response's cleanup releases the slot
             return event_stream(ctx, ws, stream(ws))
-        return JSONResponse(await unless_disconnected(request, collect(ws)))
+        return JSONResponse(await unless_disconnected(request, collect(ws)), headers=ws.headers)
     finally:
         if not released:
             ctx.limiter.release()

@@ -191,6 +191,11 @@ class _SamplingFields(_Request):
     guided_regex: str | None = Field(None, description="Extension (legacy vLLM).")
     guided_choice: list[str] | None = Field(None, description="Extension (legacy vLLM).")
     guided_grammar: str | None = Field(None, description="Extension (legacy vLLM).")
+    schema_mode: Literal["strict", "complete"] | None = Field(
+        None,
+        description="maskwire: JSON schema keywords the grammar cannot enforce as written are "
+        "refused (`strict`) or rewritten / checked on the output (`complete`, the default).",
+    )
 
 
 class ChatCompletionRequest(_SamplingFields):

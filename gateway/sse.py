@@ -70,8 +70,15 @@ class EventStream(StreamingResponse):
     """An SSE response that always runs `cleanup` once it is over, even when the client left
     before the body started (then the body generator never runs its own `finally`)."""
 
-    def __init__(self, body: AsyncIterable[bytes], cleanup: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(body, media_type="text/event-stream", headers=HEADERS)
+    def __init__(
+        self,
+        body: AsyncIterable[bytes],
+        cleanup: Callable[[], Awaitable[None]],
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(
+            body, media_type="text/event-stream", headers={**HEADERS, **(headers or {})}
+        )
         self.cleanup = cleanup
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -24,6 +24,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-schema-bytes", type=int, default=1 << 20, help="largest constraint text (bytes)"
     )
     p.add_argument("--compile-timeout-s", type=float, default=10.0, help="deadline per compile")
+    p.add_argument(
+        "--schema-mode",
+        choices=("complete", "strict"),
+        default="complete",
+        help="JSON schema keywords llguidance cannot enforce as written: `complete` rewrites, "
+        "annotates or checks them on the output (every finished output is validated against the "
+        "schema); `strict` refuses such schemas. Requests may choose with "
+        "JsonOptions.schema_mode",
+    )
     p.add_argument("--compile-cache-size", type=int, default=1024, help="compiled grammars kept")
     p.add_argument(
         "--compile-threads",

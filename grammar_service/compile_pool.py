@@ -1,7 +1,11 @@
 """`Compiler`: runs the compile stages of `grammar_service.compiler` off the event loop, safely.
 
-    size check -> poison check -> translate + bounds (thread) -> verify (sandbox child, or a
-    thread with --no-compile-sandbox) -> build the template matcher (thread, journaled)
+    size check -> poison check -> translate + bounds + schema layer (thread) -> verify (sandbox
+    child, or a thread with --no-compile-sandbox) -> build the template matcher (thread, journaled)
+
+When the grammar compiler refuses a JSON schema the layer prepared in a way one of its fallbacks
+avoids (e.g. overlapping patternProperties), the constraint is translated again with that
+fallback and verified again, within the same deadline.
 
 One deadline covers the whole compile, queueing included. A constraint whose compile kills a
 sandbox child, or this process, is remembered in the `PoisonList` and refused from then on with
@@ -23,14 +27,17 @@ import grpc
 from grammar_service import metrics
 from grammar_service.bounds import ConstraintBounds
 from grammar_service.compiler import (
+    COMPLETE,
     CompiledGrammar,
     ParserLimits,
+    Translation,
     build_template,
     constraint_kind,
     constraint_size,
     error_field,
     grammar_key,
-    to_grammar,
+    retry_relaxed,
+    translate,
     verify,
 )
 from grammar_service.poison import PoisonList
@@ -71,9 +78,12 @@ class Compiler:
         max_schema_bytes: int = 1 << 20,
         sandbox: Sandbox | None = None,
         poison: PoisonList | None = None,
+        schema_mode: int = COMPLETE,
     ) -> None:
-        """`sandbox` None verifies in this process (tests, `--no-compile-sandbox`)."""
+        """`sandbox` None verifies in this process (tests, `--no-compile-sandbox`);
+        `schema_mode`: for JSON schemas whose request does not say (`--schema-mode`)."""
         self.limits = limits
+        self.schema_mode = schema_mode
         self.bounds = bounds
         self.timeout_s = timeout_s
         self.max_schema_bytes = max_schema_bytes
@@ -131,26 +141,26 @@ class Compiler:
         field = error_field(kind)
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
+        relax: frozenset[str] = frozenset()
         try:
-            grammar = await self._in_thread(
-                deadline, to_grammar, constraint, tokenizer, self.bounds
-            )
-            if self.sandbox is None:
-                checked = await self._in_thread(
-                    deadline, verify, grammar, tokenizer, self.limits, field
+            while True:
+                translation: Translation = await self._in_thread(
+                    deadline,
+                    translate,
+                    constraint,
+                    tokenizer,
+                    self.bounds,
+                    self.schema_mode,
+                    relax,
                 )
-                template, warnings = checked.matcher, checked.warnings
-            else:
-                warnings = await self.sandbox.verify(
-                    grammar,
-                    self._tokenizer_index.get(id(tokenizer), 0),
-                    field,
-                    deadline=deadline,
-                    client=client,
-                )
-                template = await self._in_thread(
-                    deadline, self._build, key, grammar, tokenizer, field
-                )
+                grammar = translation.grammar
+                try:
+                    template, warnings = await self._verify(
+                        key, grammar, tokenizer, field, deadline, client
+                    )
+                    break
+                except RpcError as e:
+                    relax = retry_relaxed(e, relax, constraint, self.schema_mode)
         except SandboxCrashed as e:
             why = f"compiling it crashed a compile worker ({e})"
             self.poison.add(key, why)
@@ -193,7 +203,34 @@ class Compiler:
             warnings=warnings,
             template=template,
             compile_ms=(time.perf_counter() - t0) * 1000.0,
+            report=translation.report,
+            checks=translation.checks,
         )
+
+    async def _verify(
+        self,
+        key: str,
+        grammar: str,
+        tokenizer: Tokenizer,
+        field: str,
+        deadline: float,
+        client: str,
+    ) -> tuple[Any, tuple[str, ...]]:
+        """Verify (sandboxed unless disabled) and build the template: (template, warnings)."""
+        if self.sandbox is None:
+            checked = await self._in_thread(
+                deadline, verify, grammar, tokenizer, self.limits, field
+            )
+            return checked.matcher, checked.warnings
+        warnings = await self.sandbox.verify(
+            grammar,
+            self._tokenizer_index.get(id(tokenizer), 0),
+            field,
+            deadline=deadline,
+            client=client,
+        )
+        template = await self._in_thread(deadline, self._build, key, grammar, tokenizer, field)
+        return template, warnings
 
     def _build(self, key: str, grammar: str, tokenizer: Tokenizer, field: str) -> Any:
         with self.poison.journal(key):

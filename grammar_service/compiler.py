@@ -27,13 +27,23 @@ import llguidance
 
 from grammar_service import bounds as shape
 from grammar_service.bounds import ConstraintBounds
-from grammar_service.json_options import DEFAULT_ITEM_SEPARATOR, DEFAULT_KEY_SEPARATOR
+from grammar_service.json_options import (
+    DEFAULT_ITEM_SEPARATOR,
+    DEFAULT_KEY_SEPARATOR,
+    strict_contradiction,
+)
 from grammar_service.json_options import forbid_additional_properties as _forbid
+from grammar_service.schema.checks import OutputChecks
+from grammar_service.schema.fallbacks import next_fallback
+from grammar_service.schema.layer import NeedsRuntime, grammar_keywords, prepare
+from grammar_service.schema.report import Report
 from maskwire.rpc import RpcError
 from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import common_pb2
 
 KINDS = ("json_schema", "regex", "lark", "gbnf", "choice", "json_object", "structural_tags")
+STRICT = common_pb2.SCHEMA_MODE_STRICT
+COMPLETE = common_pb2.SCHEMA_MODE_COMPLETE
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,9 @@ class CompiledGrammar:
     warnings: tuple[str, ...]
     template: llguidance.LLMatcher
     compile_ms: float
+    # JSON schemas: how each keyword is enforced, and the output check (complete mode).
+    report: common_pb2.SchemaReport | None = None
+    checks: OutputChecks | None = None
 
     def new_matcher(self) -> llguidance.LLMatcher:
         # deep_copy of a fresh matcher is ~1 µs; building one from the grammar string is ~50 µs+.
@@ -166,8 +179,57 @@ def _prepare_schema(
         )
     shape.check_schema(value, field, bounds)
     if opts.additional_properties == common_pb2.ADDITIONAL_PROPERTIES_FORBID:
-        value = _forbid(copy.deepcopy(value))
+        closed: list[str] = []
+        value = _forbid(copy.deepcopy(value), closed)
+        found = strict_contradiction(value, closed)
+        if found is not None:
+            where, name = found
+            raise _bad(
+                field,
+                f"required property {name!r} at {where} is not listed in 'properties', and strict "
+                "mode allows no other properties: list it in 'properties' or drop 'strict'",
+            )
     return value
+
+
+@dataclass(frozen=True)
+class Translation:
+    """A constraint as an llguidance grammar, with what the schema layer says about it."""
+
+    grammar: str
+    report: common_pb2.SchemaReport | None = None
+    checks: OutputChecks | None = None
+
+
+def schema_mode(opts: common_pb2.JsonOptions, default: int) -> int:
+    """The request's schema mode, else the service's."""
+    return opts.schema_mode or default
+
+
+def _layer(
+    schema: dict[str, Any],
+    mode: int,
+    field: str,
+    bounds: ConstraintBounds,
+    *,
+    runtime: bool,
+    relax: frozenset[str],
+) -> tuple[dict[str, Any], Report, dict[str, frozenset[str]]]:
+    """The schema as llguidance gets it, the report, and the keywords to check on the output by
+    location; `runtime`: the output check exists."""
+    if mode == STRICT:
+        return schema, Report(mode=STRICT, grammar=grammar_keywords(schema)), {}
+    try:
+        prepared = prepare(schema, COMPLETE, runtime=runtime, relax=relax)
+    except NeedsRuntime as e:
+        raise RpcError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"invalid {field}: {e}",
+            [(field, str(e))],
+            reason="UNSUPPORTED_CONSTRAINT",
+        ) from None
+    shape.check_schema(prepared.schema, field, bounds)  # rewrites nest a few levels deeper
+    return prepared.schema, prepared.report, prepared.runtime
 
 
 def _json_grammar(schema: dict[str, Any], opts: common_pb2.JsonOptions) -> str:
@@ -202,7 +264,9 @@ def _structural_tags_grammar(
     opts: common_pb2.JsonOptions,
     tokenizer: Tokenizer,
     bounds: ConstraintBounds,
-) -> str:
+    mode: int,
+    relax: frozenset[str],
+) -> Translation:
     if not st.tags:
         raise _bad("constraint.structural_tags.tags", "at least one tag is required")
     triggers = list(st.triggers)
@@ -210,6 +274,7 @@ def _structural_tags_grammar(
         if not t:
             raise _bad(f"constraint.structural_tags.triggers[{i}]", "a trigger must not be empty")
     tags: list[llguidance.StructTag] = []
+    report = Report(mode=mode)
     for i, tag in enumerate(st.tags):
         field = f"constraint.structural_tags.tags[{i}]"
         if not tag.begin:
@@ -229,11 +294,16 @@ def _structural_tags_grammar(
             f"{field}.json_schema",
             bounds,
         )
-        if isinstance(schema, dict):
-            schema = {
-                **schema,
-                "x-guidance": {**_json_options(opts), **schema.get("x-guidance", {})},
-            }
+        # Tagged segments sit inside free text: no output check there, so no run-time keywords.
+        schema, tag_report, _ = _layer(
+            schema, mode, f"{field}.json_schema", bounds, runtime=False, relax=relax
+        )
+        report.grammar |= tag_report.grammar
+        report.entries.extend((k, f"tags[{i}]{w}", h, d) for k, w, h, d in tag_report.entries)
+        schema = {
+            **schema,
+            "x-guidance": {**_json_options(opts), **schema.get("x-guidance", {})},
+        }
         begin = tag.begin
         ref = _special_token_ref(trigger, tokenizer)
         if ref is not None:
@@ -251,7 +321,8 @@ def _structural_tags_grammar(
         or not _looks_special(t.trigger)
         for t in tags
     )
-    return str(llguidance.StructTag.to_grammar(tags, assume_special=special))
+    grammar = str(llguidance.StructTag.to_grammar(tags, assume_special=special))
+    return Translation(grammar, report.to_proto())
 
 
 def _special_token_ref(trigger: str, tokenizer: Tokenizer) -> str | None:
@@ -267,25 +338,40 @@ def _looks_special(trigger: str) -> bool:
     return trigger.startswith("<") and trigger.endswith(">")
 
 
-def to_grammar(
+def translate(
     constraint: common_pb2.Constraint,
     tokenizer: Tokenizer,
     bounds: ConstraintBounds = ConstraintBounds(),  # noqa: B008 (frozen, immutable)
-) -> str:
+    default_mode: int = COMPLETE,
+    relax: frozenset[str] = frozenset(),
+) -> Translation:
     """Translate a constraint into an llguidance grammar string and check its shape (`bounds`);
-    not yet validated by the grammar compiler."""
+    not yet validated by the grammar compiler. JSON schemas go through the schema layer in
+    complete mode (`default_mode` unless the request says; `relax`: its fallbacks)."""
     kind = constraint_kind(constraint)
     opts = constraint.json_options
+    mode = schema_mode(opts, default_mode)
     if kind == "json_schema":
         field = "constraint.json_schema"
         if not constraint.json_schema.strip():
             raise _bad(field, "must not be empty")
-        schema = _prepare_schema(_parse_json(constraint.json_schema, field), opts, field, bounds)
-        return _json_grammar(schema, opts)
+        original = _prepare_schema(_parse_json(constraint.json_schema, field), opts, field, bounds)
+        schema, report, runtime = _layer(original, mode, field, bounds, runtime=True, relax=relax)
+        checks = OutputChecks(original, runtime) if mode == COMPLETE else None
+        return Translation(_json_grammar(schema, opts), report.to_proto(), checks)
     if kind == "json_object":
         if not constraint.json_object:
             raise _bad("constraint.json_object", "must be true when set")
-        return _json_grammar({"type": "object"}, opts)
+        return Translation(_json_grammar({"type": "object"}, opts))
+    if kind == "structural_tags":
+        return _structural_tags_grammar(
+            constraint.structural_tags, opts, tokenizer, bounds, mode, relax
+        )
+    return Translation(_grammar(constraint, kind, bounds))
+
+
+def _grammar(constraint: common_pb2.Constraint, kind: str, bounds: ConstraintBounds) -> str:
+    """The grammar of a regex, Lark, GBNF or choice constraint."""
     if kind == "regex":
         return str(llguidance.LLMatcher.grammar_from_regex(constraint.regex))
     if kind == "lark":
@@ -306,16 +392,14 @@ def to_grammar(
             raise _bad("constraint.gbnf", f"cannot convert GBNF: {e}") from None
         shape.check_grammar(lark, "constraint.gbnf", bounds)
         return str(llguidance.LLMatcher.grammar_from_lark(lark))
-    if kind == "choice":
-        choices = list(constraint.choice.choices)
-        if not choices:
-            raise _bad("constraint.choice.choices", "at least one choice is required")
-        shape.check_choices(len(choices), "constraint.choice.choices", bounds)
-        for i, c in enumerate(choices):
-            if not c:
-                raise _bad(f"constraint.choice.choices[{i}]", "a choice must not be empty")
-        return str(llguidance.LLMatcher.grammar_from_lark(_choice_grammar(choices)))
-    return _structural_tags_grammar(constraint.structural_tags, opts, tokenizer, bounds)
+    choices = list(constraint.choice.choices)
+    if not choices:
+        raise _bad("constraint.choice.choices", "at least one choice is required")
+    shape.check_choices(len(choices), "constraint.choice.choices", bounds)
+    for i, c in enumerate(choices):
+        if not c:
+            raise _bad(f"constraint.choice.choices[{i}]", "a choice must not be empty")
+    return str(llguidance.LLMatcher.grammar_from_lark(_choice_grammar(choices)))
 
 
 def error_field(kind: str) -> str:
@@ -398,25 +482,50 @@ def build_template(grammar: str, tokenizer: Tokenizer, limits: ParserLimits, fie
     return template
 
 
+def retry_relaxed(
+    err: RpcError, relax: frozenset[str], constraint: common_pb2.Constraint, default_mode: int
+) -> frozenset[str]:
+    """The schema layer's fallbacks to translate again with after the grammar compiler refused
+    a prepared schema with `err` (`schema.fallbacks`); re-raises `err` when there is none left
+    to try."""
+    kind = constraint.WhichOneof("kind")
+    if kind in ("json_schema", "structural_tags") and (
+        schema_mode(constraint.json_options, default_mode) == COMPLETE
+    ):
+        name = next_fallback(err.message, relax)
+        if name is not None:
+            return relax | {name}
+    raise err
+
+
 def compile_constraint(
     constraint: common_pb2.Constraint,
     tokenizer: Tokenizer,
     limits: ParserLimits,
     grammar_id: str = "",
     bounds: ConstraintBounds = ConstraintBounds(),  # noqa: B008 (frozen, immutable)
+    default_mode: int = COMPLETE,
 ) -> CompiledGrammar:
     """Translate, verify and build the template in this process (blocking): for tests, tools and
     `--no-compile-sandbox`. The service's `Compiler` runs the same stages with `verify` sandboxed."""
     t0 = time.perf_counter()
-    kind = constraint_kind(constraint)
-    grammar = to_grammar(constraint, tokenizer, bounds)
-    checked = verify(grammar, tokenizer, limits, error_field(kind))
+    field = error_field(constraint_kind(constraint))
+    relax: frozenset[str] = frozenset()
+    while True:
+        translation = translate(constraint, tokenizer, bounds, default_mode, relax)
+        try:
+            checked = verify(translation.grammar, tokenizer, limits, field)
+            break
+        except RpcError as e:
+            relax = retry_relaxed(e, relax, constraint, default_mode)
     assert checked.matcher is not None
     return CompiledGrammar(
         grammar_id=grammar_id or grammar_key(constraint, tokenizer),
-        grammar=grammar,
+        grammar=translation.grammar,
         tokenizer=tokenizer,
         warnings=checked.warnings,
         template=checked.matcher,
         compile_ms=(time.perf_counter() - t0) * 1000.0,
+        report=translation.report,
+        checks=translation.checks,
     )

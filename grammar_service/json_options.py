@@ -42,12 +42,38 @@ _MERGING_SIBLINGS = ("allOf", "$ref", "$dynamicRef", "if", "dependentSchemas", "
 _ALREADY_SAYS = ("additionalProperties", "unevaluatedProperties", "patternProperties")
 
 
-def forbid_additional_properties(schema: dict[str, Any]) -> dict[str, Any]:
-    """Rewrite `schema` in place (pass a copy) and return it."""
+def forbid_additional_properties(
+    schema: dict[str, Any], closed: list[str] | None = None
+) -> dict[str, Any]:
+    """Rewrite `schema` in place (pass a copy) and return it; `closed` collects the JSON
+    pointers of the objects that got `additionalProperties: false`."""
     protected: set[str] = set()
     _collect_protected_refs(schema, protected, intersected=False)
-    _rewrite(schema, schema, protected, path="#", intersected=False)
+    _rewrite(schema, schema, protected, path="#", intersected=False, closed=closed)
     return schema
+
+
+def strict_contradiction(schema: dict[str, Any], closed: list[str]) -> tuple[str, str] | None:
+    """(pointer, name) of a property an object closed by FORBID requires but does not list: no
+    instance can have it, so OpenAI's strict mode makes the schema unsatisfiable there."""
+    for path in closed:
+        node = _at(schema, path)
+        required = node.get("required") if isinstance(node, dict) else None
+        if not isinstance(required, list):
+            continue
+        props = node.get("properties", {})
+        for name in required:
+            if isinstance(name, str) and name not in props:
+                return path, name
+    return None
+
+
+def _at(root: Any, path: str) -> Any:
+    node = root
+    for part in path.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
 
 
 def _local_ref(node: dict[str, Any]) -> str | None:
@@ -82,7 +108,13 @@ def _collect_protected_refs(node: Any, out: set[str], *, intersected: bool) -> N
 
 
 def _rewrite(
-    node: Any, root: dict[str, Any], protected: set[str], *, path: str, intersected: bool
+    node: Any,
+    root: dict[str, Any],
+    protected: set[str],
+    *,
+    path: str,
+    intersected: bool,
+    closed: list[str] | None,
 ) -> None:
     if not isinstance(node, dict):
         return
@@ -94,20 +126,29 @@ def _rewrite(
         and not any(k in node for k in _MERGING_SIBLINGS)
     ):
         node["additionalProperties"] = False
+        if closed is not None:
+            closed.append(path)
     for key, value in list(node.items()):
         if key == "not" or key in _INTERSECTED_ONE:
             continue  # see module docstring
         if key in _INTERSECTED_MANY or key in _INTERSECTED_MAP:
             continue
         if key in _ONE:
-            _rewrite(value, root, protected, path=f"{path}/{key}", intersected=False)
+            _rewrite(value, root, protected, path=f"{path}/{key}", intersected=False, closed=closed)
         elif key in _MANY and isinstance(value, list):
             for i, sub in enumerate(value):
-                _rewrite(sub, root, protected, path=f"{path}/{key}/{i}", intersected=False)
+                _rewrite(
+                    sub, root, protected, path=f"{path}/{key}/{i}", intersected=False, closed=closed
+                )
         elif key in _MAP and isinstance(value, dict):
             for name, sub in value.items():
                 _rewrite(
-                    sub, root, protected, path=f"{path}/{key}/{_escape(name)}", intersected=False
+                    sub,
+                    root,
+                    protected,
+                    path=f"{path}/{key}/{_escape(name)}",
+                    intersected=False,
+                    closed=closed,
                 )
 
 

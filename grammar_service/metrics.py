@@ -52,3 +52,11 @@ BUDGET_KILLS = Counter(
     "maskwire_grammar_budget_kills_total",
     "Requests failed because their grammar work in one step passed --max-request-step-ms.",
 )
+SCHEMA_TOKENS_MASKED = Counter(
+    "maskwire_grammar_schema_tokens_masked_total",
+    "Tokens the output check masked off because they would complete a value violating the schema.",
+)
+SCHEMA_UNSATISFIED = Counter(
+    "maskwire_grammar_schema_unsatisfied_total",
+    "Requests ended because no continuation of their output validates (CONSTRAINT_UNSATISFIABLE).",
+)

@@ -18,11 +18,13 @@ from grammar_service.compiler import ParserLimits
 from grammar_service.poison import PoisonList
 from grammar_service.runtime import Limits, Runtime
 from grammar_service.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
+from grammar_service.schema import formats
+from grammar_service.schema.monitor import token_classes
 from grammar_service.servicer import GrammarServicer
 from maskwire.rpc import Server, start_metrics_server
 from maskwire.tls import server_tls_mode
 from maskwire.tokenizer import TokenizerLoadError, load_tokenizer
-from maskwire.v1 import grammar_pb2, grammar_pb2_grpc
+from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc
 
 log = logging.getLogger("grammar_service")
 
@@ -31,11 +33,13 @@ SERVICE_NAME = grammar_pb2.DESCRIPTOR.services_by_name["GrammarService"].full_na
 
 def build_runtime(args: argparse.Namespace) -> Runtime:
     specs = args.tokenizer or ["default"]
+    formats.warm_up()
     tokenizers = []
     for spec in specs:
         t0 = time.perf_counter()
         tok = load_tokenizer(spec)
         fp = tok.fingerprint
+        token_classes(tok)  # the schema output check's per-token tables, before serving
         log.info(
             "tokenizer %s (%s) loaded in %.1fs: %s",
             spec,
@@ -77,6 +81,7 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
         timeout_s=args.compile_timeout_s,
         max_schema_bytes=args.max_schema_bytes,
         sandbox=sandbox,
+        schema_mode=common_pb2.SchemaMode.Value(f"SCHEMA_MODE_{args.schema_mode.upper()}"),
         poison=PoisonList(state_dir(args), args.poison_ttl_s),
     )
     return Runtime(

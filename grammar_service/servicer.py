@@ -63,6 +63,7 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
             warnings=item.warnings,
             cached=cached,
             compile_ms=0.0 if cached else item.compile_ms,
+            schema_report=item.report,
         )
 
     async def Session(

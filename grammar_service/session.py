@@ -4,6 +4,12 @@ Pure: no gRPC here. Every per-request problem becomes data in `Opened.error` / `
 misuse of this class raises. A stream's requests share one tokenizer (the first `Open` fixes it),
 so every row of a `StepResult` has the same width.
 
+Requests constrained by a JSON schema in complete mode have an output check (`schema.monitor`):
+it follows their consumed tokens, masks off tokens that would complete a value violating the
+original schema, and allows end-of-sequence only when the output validates; a request left with
+no allowed token ends with `CONSTRAINT_UNSATISFIABLE`. Its time counts towards the request's
+budget.
+
 Grammar work has a budget per request (`Limits.max_request_step_s` of CPU time per step,
 `max_replay_s` per replay): an ambiguous grammar can make one request's parser work grow without
 bound, and the steps of every other request on the stream would wait for it. Work done for one
@@ -17,13 +23,16 @@ from __future__ import annotations
 import time
 
 import grpc
+import numpy as np
 from google.rpc import status_pb2
 
 from grammar_service import metrics
 from grammar_service.backend import RequestGrammar
+from grammar_service.compiler import CompiledGrammar
 from grammar_service.masks import MaskBuffer
 from grammar_service.reasoning import ReasoningGate
 from grammar_service.runtime import Runtime
+from grammar_service.schema.monitor import Ahead, Monitor, token_classes
 from maskwire.bitmask import encode_rows
 from maskwire.rpc import RpcError, status_proto
 from maskwire.tokenizer import Tokenizer
@@ -44,9 +53,9 @@ _CHUNK = 32
 
 
 class Request:
-    """One live request: its grammar, token count and options."""
+    """One live request: its grammar, token count, options and output check."""
 
-    __slots__ = ("dead", "gate", "grammar", "jump_forward", "position", "request_id")
+    __slots__ = ("dead", "gate", "grammar", "jump_forward", "monitor", "position", "request_id")
 
     def __init__(
         self,
@@ -54,11 +63,13 @@ class Request:
         grammar: RequestGrammar,
         jump_forward: bool,
         gate: ReasoningGate | None,
+        monitor: Monitor | None = None,
     ) -> None:
         self.request_id = request_id
         self.grammar = grammar
         self.jump_forward = jump_forward
         self.gate = gate
+        self.monitor = monitor
         self.position = 0
         self.dead: status_pb2.Status | None = None
 
@@ -102,12 +113,17 @@ class Session:
     async def open(self, msg: grammar_pb2.Open) -> grammar_pb2.Opened:
         rid = msg.request_id
         try:
-            position, warnings = await self._open(msg)
+            position, compiled = await self._open(msg)
         except RpcError as e:
             return grammar_pb2.Opened(request_id=rid, error=e.to_status())
-        return grammar_pb2.Opened(request_id=rid, warnings=warnings, position=position)
+        return grammar_pb2.Opened(
+            request_id=rid,
+            warnings=compiled.warnings,
+            position=position,
+            schema_report=compiled.report,
+        )
 
-    async def _open(self, msg: grammar_pb2.Open) -> tuple[int, list[str]]:
+    async def _open(self, msg: grammar_pb2.Open) -> tuple[int, CompiledGrammar]:
         rid = msg.request_id
         if not rid:
             raise RpcError(
@@ -174,6 +190,7 @@ class Session:
                 rt.backend.new_request(compiled),
                 bool(msg.options.jump_forward),
                 ReasoningGate(marker) if marker else None,
+                Monitor(compiled.checks, token_classes(tok)) if compiled.checks else None,
             )
             replay = list(msg.replay_tokens)
             if len(replay) > OFFLOAD_REPLAY_TOKENS:
@@ -187,7 +204,7 @@ class Session:
         if self.tokenizer is None:
             self.tokenizer = tok
             self._buffer = MaskBuffer(tok.words_per_row)
-        return req.position, list(compiled.warnings)
+        return req.position, compiled
 
     def _replay(self, req: Request, tokens: list[int], tok: Tokenizer) -> None:
         vocab = tok.vocab_size
@@ -211,11 +228,14 @@ class Session:
                 [("open.replay_tokens", "grammar too expensive to replay")],
                 reason="GRAMMAR_TOO_EXPENSIVE",
             )
-        if not ok:
+        why = req.grammar.error() if not ok else None
+        if ok and req.monitor is not None:
+            why = req.monitor.feed(rest)
+        if why is not None:
             raise RpcError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"replay tokens rejected by the grammar: {req.grammar.error()}",
-                [("open.replay_tokens", req.grammar.error())],
+                f"replay tokens rejected by the grammar: {why}",
+                [("open.replay_tokens", why)],
                 reason="REPLAY_REJECTED",
             )
         req.position = len(tokens)
@@ -333,6 +353,9 @@ class Session:
             ok, spent[i] = _consume_within(req.grammar, new, budget)
             if not ok:
                 self._kill_consumer(req, spent[i], budget)
+            if ok and not self._watch(req, new, spent, i):
+                ok = False
+            if not ok:
                 status[i] = ERROR
                 errors[i] = req.dead
                 state[i] = None
@@ -351,17 +374,21 @@ class Session:
                 oks = backend.consume_each(singles)
                 batched_s += time.perf_counter() - t0
             for j, ok in enumerate(oks):
+                i = single_idx[j]
+                req = state[i]
+                assert req is not None
                 if not ok:
-                    i = single_idx[j]
-                    req = state[i]
-                    assert req is not None
                     self._kill_by_grammar(req)
-                    status[i] = ERROR
-                    errors[i] = req.dead
-                    state[i] = None
+                elif req.monitor is None or self._watch(req, [singles[j][1]], spent, i):
+                    continue
+                status[i] = ERROR
+                errors[i] = req.dead
+                state[i] = None
 
         # Phase 3: jump-forward, drafts, mask slots.
         ff: dict[int, list[int]] = {}
+        accepting: dict[int, bool] = {}  # what the output check says, for checked rows
+        ahead: dict[int, list[Ahead]] = {}  # checked rows: the output after each accepted draft
         accepted = [0] * n
         slots = [-1] * n
         plain: list[tuple[RequestGrammar, int]] = []
@@ -383,10 +410,15 @@ class Session:
                 forced = g.ff_tokens()
                 spent[i] += time.thread_time() - t0
                 if forced:
-                    ok, dt = _consume_within(g, forced, budget)
-                    spent[i] += dt
+                    ok = self._forced_ok(req, forced, spent, i)
+                    if ok:
+                        ok, dt = _consume_within(g, forced, budget)
+                        spent[i] += dt
+                        if not ok:
+                            self._kill_consumer(req, spent[i], budget)
+                    if ok and not self._watch(req, forced, spent, i):
+                        ok = False
                     if not ok:
-                        self._kill_consumer(req, spent[i], budget)
                         status[i] = ERROR
                         errors[i] = req.dead
                         state[i] = None
@@ -398,6 +430,9 @@ class Session:
                 cut = next((j for j, t in enumerate(d) if not 0 <= t < vocab), len(d))
                 t0 = time.thread_time()
                 a = g.validate_drafts(d[:cut]) if cut else 0
+                if a and req.monitor is not None:  # and the output check, draft by draft
+                    ahead[i] = req.monitor.ahead(d[:a])
+                    a = len(ahead[i])
                 spent[i] += time.thread_time() - t0
                 accepted[i] = a
                 if a:
@@ -422,6 +457,10 @@ class Session:
                 backend.fill(plain, drafted, buf.ptr, buf.one_mask_bytes, buf.capacity)
                 batched_s += time.perf_counter() - t_fill
             metrics.MASK_SECONDS_PER_ROW.observe((time.perf_counter() - t_fill) / cursor)
+            cursor = self._check_outputs(
+                state, status, errors, slots, accepted, accepting, ahead, spent, cursor
+            )
+        if cursor:
             if msg.compact_masks and cursor >= self.runtime.limits.compact_min_rows:
                 c = encode_rows(buf.rows(cursor), vocab)
                 out.bitmask = c.dense
@@ -455,7 +494,7 @@ class Session:
                     mask_rows=1 + accepted[i],
                     accepted_drafts=accepted[i],
                     position=req.position,
-                    accepting=g.is_accepting(),
+                    accepting=accepting.get(i, g.is_accepting()),
                     finished=g.is_stopped(),
                 )
                 if i in ff:
@@ -483,6 +522,101 @@ class Session:
         self.last_step_s = time.perf_counter() - t_start
         metrics.STEP_SECONDS.observe(self.last_step_s)
         return out
+
+    # -- the output check -------------------------------------------------------------------
+    def _watch(self, req: Request, tokens: list[int], spent: list[float], i: int) -> bool:
+        """Feed consumed tokens to the request's output check. False (the request is dead) when
+        they complete a value that violates the schema: the mask did not allow them."""
+        if req.monitor is None:
+            return True
+        t0 = time.thread_time()
+        err = req.monitor.feed(tokens)
+        spent[i] += time.thread_time() - t0
+        if err is None:
+            return True
+        if req.monitor.cut_short:  # the mask allowed it untried (the check ran out of time)
+            self._unsatisfied(req, f"the output violates the schema: {err}")
+        else:
+            self._kill(req, f"the token violates the schema: {err}", "TOKEN_REJECTED")
+        return False
+
+    def _forced_ok(self, req: Request, forced: list[int], spent: list[float], i: int) -> bool:
+        """Whether the tokens the grammar forces keep the output valid; when they cannot, no
+        continuation can, and the request ends unsatisfied."""
+        if req.monitor is None:
+            return True
+        t0 = time.thread_time()
+        err = req.monitor.try_tokens(forced)
+        spent[i] += time.thread_time() - t0
+        if err is None:
+            return True
+        self._unsatisfied(req, f"the grammar forces text that violates the schema: {err}")
+        return False
+
+    def _check_outputs(
+        self,
+        state: list[Request | None],
+        status: list[grammar_pb2.RowStatus],
+        errors: list[status_pb2.Status | None],
+        slots: list[int],
+        accepted: list[int],
+        accepting: dict[int, bool],
+        ahead: dict[int, list[Ahead]],
+        spent: list[float],
+        cursor: int,
+    ) -> int:
+        """Apply the output checks to the filled mask rows of checked requests. A request whose
+        main row is left empty fails now; one whose row after a draft is left empty accepts
+        only the drafts before it. Rows that leave the answer are removed; returns the new row
+        count."""
+        assert self._buffer is not None
+        rows = self._buffer.rows(cursor)
+        drop: set[int] = set()
+        for i, req in enumerate(state):
+            if req is None or req.monitor is None or slots[i] < 0:
+                continue
+            if not req.monitor.tracked and i not in ahead and not req.grammar.is_accepting():
+                continue  # validation only: nothing to do until the output can end
+            t0 = time.thread_time()
+            slot = slots[i]
+            ok, masked = req.monitor.filter(rows[slot].view(np.uint32))
+            left = bool(rows[slot].any())
+            for j, view in enumerate(ahead.get(i, [])[: accepted[i]]):
+                _, more = req.monitor.filter(rows[slot + 1 + j].view(np.uint32), view)
+                masked += more
+                if not rows[slot + 1 + j].any():  # that draft leads nowhere valid
+                    drop.update(range(slot + 1 + j, slot + 1 + accepted[i]))
+                    accepted[i] = j
+                    break
+            spent[i] += time.thread_time() - t0
+            metrics.SCHEMA_TOKENS_MASKED.inc(masked)
+            accepting[i] = ok
+            if left and (ok or not req.grammar.is_stopped()):
+                continue
+            why = req.monitor.document_error() if req.grammar.is_accepting() else None
+            self._unsatisfied(
+                req,
+                f"the output is complete but does not validate: {why}"
+                if why
+                else "no token keeps the output valid against the schema",
+            )
+            status[i] = ERROR
+            errors[i] = req.dead
+            state[i] = None
+            drop.update(range(slot, slot + 1 + accepted[i]))
+        if not drop:
+            return cursor
+        keep = [r for r in range(cursor) if r not in drop]
+        rows[: len(keep)] = rows[keep]
+        new_slot = {old: new for new, old in enumerate(keep)}
+        for i, slot in enumerate(slots):
+            if slot >= 0:
+                slots[i] = new_slot.get(slot, -1)
+        return len(keep)
+
+    def _unsatisfied(self, req: Request, why: str) -> None:
+        metrics.SCHEMA_UNSATISFIED.inc()
+        self._kill(req, f"constraint could not be satisfied: {why}", "CONSTRAINT_UNSATISFIABLE")
 
     def _fill_each(
         self,

@@ -91,6 +91,8 @@ class GrammarRequest:
     fresh: bool = False
     # Replicas that died holding this request's compile, Open or first step.
     crashed: list[str] = field(default_factory=list)
+    # How the grammar service enforces the request's JSON schema (from `Opened`), if any.
+    report: common_pb2.SchemaReport | None = None
 
     @functools.cached_property
     def key(self) -> str:
@@ -428,6 +430,8 @@ class GrammarClient:
             req.stream_id = replica.stream_id
             req.closed = False
             req.fresh = True
+            if opened.HasField("schema_report"):
+                req.report = opened.schema_report
             replica.requests.add(req)
             return list(opened.warnings)
         raise RpcError(

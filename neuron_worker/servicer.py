@@ -65,6 +65,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await self.engine.submit(req)
             if debug_payloads():
                 log.debug("generate %s: %d prompt tokens", req.request_id, len(req.prompt))
+            # The schema's enforcement report rides on the first message.
+            report = req.grammar.report if req.grammar is not None else None
             while True:
                 item = await req.outputs.get()
                 if isinstance(item, RpcError):
@@ -72,6 +74,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     raise item
                 if item.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED:
                     done = True
+                if report is not None:
+                    item.schema_report.CopyFrom(report)
+                    report = None
                 yield item
                 if done:
                     return

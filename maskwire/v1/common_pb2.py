@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18maskwire/v1/common.proto\x12\x0bmaskwire.v1\"\x86\x02\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x03 \x01(\tH\x00\x12\x0e\n\x04gbnf\x18\x04 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x17.maskwire.v1.ChoiceListH\x00\x12\x15\n\x0bjson_object\x18\x06 \x01(\x08H\x00\x12\x36\n\x0fstructural_tags\x18\x07 \x01(\x0b\x32\x1b.maskwire.v1.StructuralTagsH\x00\x12.\n\x0cjson_options\x18\x08 \x01(\x0b\x32\x18.maskwire.v1.JsonOptionsB\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"L\n\x0eStructuralTags\x12(\n\x04tags\x18\x01 \x03(\x0b\x32\x1a.maskwire.v1.StructuralTag\x12\x10\n\x08triggers\x18\x02 \x03(\t\"@\n\rStructuralTag\x12\r\n\x05\x62\x65gin\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\x12\x0b\n\x03\x65nd\x18\x03 \x01(\t\"\xf2\x01\n\x0bJsonOptions\x12\x1b\n\x13whitespace_flexible\x18\x01 \x01(\x08\x12\x1b\n\x0eitem_separator\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\rkey_separator\x18\x03 \x01(\tH\x01\x88\x01\x01\x12@\n\x15\x61\x64\x64itional_properties\x18\x04 \x01(\x0e\x32!.maskwire.v1.AdditionalProperties\x12\x15\n\rcoerce_one_of\x18\x05 \x01(\x08\x12\x0f\n\x07lenient\x18\x06 \x01(\x08\x42\x11\n\x0f_item_separatorB\x10\n\x0e_key_separator\"X\n\x14TokenizerFingerprint\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x15\n\rtokens_sha256\x18\x02 \x01(\x0c\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05*\x80\x01\n\x14\x41\x64\x64itionalProperties\x12%\n!ADDITIONAL_PROPERTIES_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x41\x44\x44ITIONAL_PROPERTIES_ALLOW\x10\x01\x12 \n\x1c\x41\x44\x44ITIONAL_PROPERTIES_FORBID\x10\x02\x42<\n\x0f\x64\x65v.maskwire.v1P\x01Z\'maskwire.dev/gen/maskwire/v1;maskwirev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18maskwire/v1/common.proto\x12\x0bmaskwire.v1\"\x86\x02\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x03 \x01(\tH\x00\x12\x0e\n\x04gbnf\x18\x04 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x17.maskwire.v1.ChoiceListH\x00\x12\x15\n\x0bjson_object\x18\x06 \x01(\x08H\x00\x12\x36\n\x0fstructural_tags\x18\x07 \x01(\x0b\x32\x1b.maskwire.v1.StructuralTagsH\x00\x12.\n\x0cjson_options\x18\x08 \x01(\x0b\x32\x18.maskwire.v1.JsonOptionsB\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"L\n\x0eStructuralTags\x12(\n\x04tags\x18\x01 \x03(\x0b\x32\x1a.maskwire.v1.StructuralTag\x12\x10\n\x08triggers\x18\x02 \x03(\t\"@\n\rStructuralTag\x12\r\n\x05\x62\x65gin\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\x12\x0b\n\x03\x65nd\x18\x03 \x01(\t\"\xa0\x02\n\x0bJsonOptions\x12\x1b\n\x13whitespace_flexible\x18\x01 \x01(\x08\x12\x1b\n\x0eitem_separator\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\rkey_separator\x18\x03 \x01(\tH\x01\x88\x01\x01\x12@\n\x15\x61\x64\x64itional_properties\x18\x04 \x01(\x0e\x32!.maskwire.v1.AdditionalProperties\x12\x15\n\rcoerce_one_of\x18\x05 \x01(\x08\x12\x0f\n\x07lenient\x18\x06 \x01(\x08\x12,\n\x0bschema_mode\x18\x07 \x01(\x0e\x32\x17.maskwire.v1.SchemaModeB\x11\n\x0f_item_separatorB\x10\n\x0e_key_separator\"v\n\x12KeywordEnforcement\x12\x0f\n\x07keyword\x18\x01 \x01(\t\x12\x10\n\x08location\x18\x02 \x01(\t\x12-\n\x0b\x65nforcement\x18\x03 \x01(\x0e\x32\x18.maskwire.v1.Enforcement\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\xa6\x01\n\x0cSchemaReport\x12%\n\x04mode\x18\x01 \x01(\x0e\x32\x17.maskwire.v1.SchemaMode\x12\x18\n\x10grammar_keywords\x18\x02 \x03(\t\x12\x31\n\x08keywords\x18\x03 \x03(\x0b\x32\x1f.maskwire.v1.KeywordEnforcement\x12\x11\n\tvalidated\x18\x04 \x01(\x08\x12\x0f\n\x07omitted\x18\x05 \x01(\r\"X\n\x14TokenizerFingerprint\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x15\n\rtokens_sha256\x18\x02 \x01(\x0c\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05*[\n\nSchemaMode\x12\x1b\n\x17SCHEMA_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12SCHEMA_MODE_STRICT\x10\x01\x12\x18\n\x14SCHEMA_MODE_COMPLETE\x10\x02*\x93\x01\n\x0b\x45nforcement\x12\x1b\n\x17\x45NFORCEMENT_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45NFORCEMENT_GRAMMAR\x10\x01\x12\x19\n\x15\x45NFORCEMENT_REWRITTEN\x10\x02\x12\x17\n\x13\x45NFORCEMENT_RUNTIME\x10\x03\x12\x1a\n\x16\x45NFORCEMENT_ANNOTATION\x10\x04*\x80\x01\n\x14\x41\x64\x64itionalProperties\x12%\n!ADDITIONAL_PROPERTIES_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x41\x44\x44ITIONAL_PROPERTIES_ALLOW\x10\x01\x12 \n\x1c\x41\x44\x44ITIONAL_PROPERTIES_FORBID\x10\x02\x42<\n\x0f\x64\x65v.maskwire.v1P\x01Z\'maskwire.dev/gen/maskwire/v1;maskwirev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,8 +32,12 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'maskwire.v1.common_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\017dev.maskwire.v1P\001Z\'maskwire.dev/gen/maskwire/v1;maskwirev1'
-  _globals['_ADDITIONALPROPERTIES']._serialized_start=817
-  _globals['_ADDITIONALPROPERTIES']._serialized_end=945
+  _globals['_SCHEMAMODE']._serialized_start=1151
+  _globals['_SCHEMAMODE']._serialized_end=1242
+  _globals['_ENFORCEMENT']._serialized_start=1245
+  _globals['_ENFORCEMENT']._serialized_end=1392
+  _globals['_ADDITIONALPROPERTIES']._serialized_start=1395
+  _globals['_ADDITIONALPROPERTIES']._serialized_end=1523
   _globals['_CONSTRAINT']._serialized_start=42
   _globals['_CONSTRAINT']._serialized_end=304
   _globals['_CHOICELIST']._serialized_start=306
@@ -43,7 +47,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STRUCTURALTAG']._serialized_start=415
   _globals['_STRUCTURALTAG']._serialized_end=479
   _globals['_JSONOPTIONS']._serialized_start=482
-  _globals['_JSONOPTIONS']._serialized_end=724
-  _globals['_TOKENIZERFINGERPRINT']._serialized_start=726
-  _globals['_TOKENIZERFINGERPRINT']._serialized_end=814
+  _globals['_JSONOPTIONS']._serialized_end=770
+  _globals['_KEYWORDENFORCEMENT']._serialized_start=772
+  _globals['_KEYWORDENFORCEMENT']._serialized_end=890
+  _globals['_SCHEMAREPORT']._serialized_start=893
+  _globals['_SCHEMAREPORT']._serialized_end=1059
+  _globals['_TOKENIZERFINGERPRINT']._serialized_start=1061
+  _globals['_TOKENIZERFINGERPRINT']._serialized_end=1149
 # @@protoc_insertion_point(module_scope)

@@ -26,7 +26,7 @@ from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 from maskwire.v1 import common_pb2 as maskwire_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19maskwire/v1/grammar.proto\x12\x0bmaskwire.v1\x1a\x17google/rpc/status.proto\x1a\x18maskwire/v1/common.proto\"s\n\x0e\x43ompileRequest\x12+\n\nconstraint\x18\x01 \x01(\x0b\x32\x17.maskwire.v1.Constraint\x12\x34\n\ttokenizer\x18\x02 \x01(\x0b\x32!.maskwire.v1.TokenizerFingerprint\"[\n\x0f\x43ompileResponse\x12\x12\n\ngrammar_id\x18\x01 \x01(\t\x12\x10\n\x08warnings\x18\x02 \x03(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\x08\x12\x12\n\ncompile_ms\x18\x04 \x01(\x01\"\x83\x01\n\x0eSessionRequest\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.maskwire.v1.OpenH\x00\x12!\n\x04step\x18\x02 \x01(\x0b\x32\x11.maskwire.v1.StepH\x00\x12#\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x12.maskwire.v1.CloseH\x00\x42\x06\n\x04kind\"\x97\x01\n\x0fSessionResponse\x12%\n\x06opened\x18\x01 \x01(\x0b\x32\x13.maskwire.v1.OpenedH\x00\x12.\n\x0bstep_result\x18\x02 \x01(\x0b\x32\x17.maskwire.v1.StepResultH\x00\x12%\n\x06\x63losed\x18\x03 \x01(\x0b\x32\x13.maskwire.v1.ClosedH\x00\x42\x06\n\x04kind\"\xe5\x01\n\x04Open\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\nconstraint\x18\x02 \x01(\x0b\x32\x17.maskwire.v1.ConstraintH\x00\x12\x14\n\ngrammar_id\x18\x03 \x01(\tH\x00\x12\x34\n\ttokenizer\x18\x04 \x01(\x0b\x32!.maskwire.v1.TokenizerFingerprint\x12,\n\x07options\x18\x05 \x01(\x0b\x32\x1b.maskwire.v1.RequestOptions\x12\x15\n\rreplay_tokens\x18\x06 \x03(\x05\x42\t\n\x07grammar\"D\n\x0eRequestOptions\x12\x1c\n\x14reasoning_end_marker\x18\x01 \x01(\t\x12\x14\n\x0cjump_forward\x18\x02 \x01(\x08\"c\n\x06Opened\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08warnings\x18\x02 \x03(\t\x12!\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.google.rpc.Status\x12\x10\n\x08position\x18\x04 \x01(\r\"O\n\x04Step\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\"\n\x04rows\x18\x02 \x03(\x0b\x32\x14.maskwire.v1.StepRow\x12\x15\n\rcompact_masks\x18\x03 \x01(\x08\"Y\n\x07StepRow\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnew_tokens\x18\x02 \x03(\x05\x12\x10\n\x08position\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\x05\"\xa3\x02\n\nStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12$\n\x04rows\x18\x02 \x03(\x0b\x32\x16.maskwire.v1.RowResult\x12\x0f\n\x07\x62itmask\x18\x03 \x01(\x0c\x12\x15\n\rwords_per_row\x18\x04 \x01(\r\x12\x38\n\x12mask_row_encodings\x18\x05 \x03(\x0e\x32\x1c.maskwire.v1.MaskRowEncoding\x12\x1c\n\x14mask_row_word_counts\x18\x06 \x03(\r\x12\x17\n\x0fmask_word_index\x18\x07 \x01(\x0c\x12\x18\n\x10mask_word_values\x18\t \x01(\x0c\x12\x1a\n\x12mask_row_repeat_of\x18\n \x03(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\"\xfb\x01\n\tRowResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06status\x18\x02 \x01(\x0e\x32\x16.maskwire.v1.RowStatus\x12\x11\n\tmask_rows\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x04 \x01(\r\x12\x11\n\tff_tokens\x18\x05 \x03(\x05\x12\x11\n\taccepting\x18\x06 \x01(\x08\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12\x10\n\x08position\x18\x08 \x01(\r\x12\x19\n\x11\x65xpected_position\x18\t \x01(\r\x12!\n\x05\x65rror\x18\n \x01(\x0b\x32\x12.google.rpc.Status\"\x1b\n\x05\x43lose\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"+\n\x06\x43losed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x66ound\x18\x02 \x01(\x08*\xb6\x01\n\x0fMaskRowEncoding\x12!\n\x1dMASK_ROW_ENCODING_UNSPECIFIED\x10\x00\x12\x1b\n\x17MASK_ROW_ENCODING_DENSE\x10\x01\x12\"\n\x1eMASK_ROW_ENCODING_SPARSE_ZEROS\x10\x02\x12!\n\x1dMASK_ROW_ENCODING_SPARSE_ONES\x10\x03\x12\x1c\n\x18MASK_ROW_ENCODING_REPEAT\x10\x04*\x87\x01\n\tRowStatus\x12\x1a\n\x16ROW_STATUS_UNSPECIFIED\x10\x00\x12\x11\n\rROW_STATUS_OK\x10\x01\x12\x15\n\x11ROW_STATUS_DESYNC\x10\x02\x12\x14\n\x10ROW_STATUS_ERROR\x10\x03\x12\x1e\n\x1aROW_STATUS_UNKNOWN_REQUEST\x10\x04\x32\xa0\x01\n\x0eGrammarService\x12\x44\n\x07\x43ompile\x12\x1b.maskwire.v1.CompileRequest\x1a\x1c.maskwire.v1.CompileResponse\x12H\n\x07Session\x12\x1b.maskwire.v1.SessionRequest\x1a\x1c.maskwire.v1.SessionResponse(\x01\x30\x01\x42<\n\x0f\x64\x65v.maskwire.v1P\x01Z\'maskwire.dev/gen/maskwire/v1;maskwirev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19maskwire/v1/grammar.proto\x12\x0bmaskwire.v1\x1a\x17google/rpc/status.proto\x1a\x18maskwire/v1/common.proto\"s\n\x0e\x43ompileRequest\x12+\n\nconstraint\x18\x01 \x01(\x0b\x32\x17.maskwire.v1.Constraint\x12\x34\n\ttokenizer\x18\x02 \x01(\x0b\x32!.maskwire.v1.TokenizerFingerprint\"\x8d\x01\n\x0f\x43ompileResponse\x12\x12\n\ngrammar_id\x18\x01 \x01(\t\x12\x10\n\x08warnings\x18\x02 \x03(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\x08\x12\x12\n\ncompile_ms\x18\x04 \x01(\x01\x12\x30\n\rschema_report\x18\x05 \x01(\x0b\x32\x19.maskwire.v1.SchemaReport\"\x83\x01\n\x0eSessionRequest\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.maskwire.v1.OpenH\x00\x12!\n\x04step\x18\x02 \x01(\x0b\x32\x11.maskwire.v1.StepH\x00\x12#\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x12.maskwire.v1.CloseH\x00\x42\x06\n\x04kind\"\x97\x01\n\x0fSessionResponse\x12%\n\x06opened\x18\x01 \x01(\x0b\x32\x13.maskwire.v1.OpenedH\x00\x12.\n\x0bstep_result\x18\x02 \x01(\x0b\x32\x17.maskwire.v1.StepResultH\x00\x12%\n\x06\x63losed\x18\x03 \x01(\x0b\x32\x13.maskwire.v1.ClosedH\x00\x42\x06\n\x04kind\"\xe5\x01\n\x04Open\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\nconstraint\x18\x02 \x01(\x0b\x32\x17.maskwire.v1.ConstraintH\x00\x12\x14\n\ngrammar_id\x18\x03 \x01(\tH\x00\x12\x34\n\ttokenizer\x18\x04 \x01(\x0b\x32!.maskwire.v1.TokenizerFingerprint\x12,\n\x07options\x18\x05 \x01(\x0b\x32\x1b.maskwire.v1.RequestOptions\x12\x15\n\rreplay_tokens\x18\x06 \x03(\x05\x42\t\n\x07grammar\"D\n\x0eRequestOptions\x12\x1c\n\x14reasoning_end_marker\x18\x01 \x01(\t\x12\x14\n\x0cjump_forward\x18\x02 \x01(\x08\"\x95\x01\n\x06Opened\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08warnings\x18\x02 \x03(\t\x12!\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.google.rpc.Status\x12\x10\n\x08position\x18\x04 \x01(\r\x12\x30\n\rschema_report\x18\x05 \x01(\x0b\x32\x19.maskwire.v1.SchemaReport\"O\n\x04Step\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\"\n\x04rows\x18\x02 \x03(\x0b\x32\x14.maskwire.v1.StepRow\x12\x15\n\rcompact_masks\x18\x03 \x01(\x08\"Y\n\x07StepRow\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnew_tokens\x18\x02 \x03(\x05\x12\x10\n\x08position\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\x05\"\xa3\x02\n\nStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12$\n\x04rows\x18\x02 \x03(\x0b\x32\x16.maskwire.v1.RowResult\x12\x0f\n\x07\x62itmask\x18\x03 \x01(\x0c\x12\x15\n\rwords_per_row\x18\x04 \x01(\r\x12\x38\n\x12mask_row_encodings\x18\x05 \x03(\x0e\x32\x1c.maskwire.v1.MaskRowEncoding\x12\x1c\n\x14mask_row_word_counts\x18\x06 \x03(\r\x12\x17\n\x0fmask_word_index\x18\x07 \x01(\x0c\x12\x18\n\x10mask_word_values\x18\t \x01(\x0c\x12\x1a\n\x12mask_row_repeat_of\x18\n \x03(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\"\xfb\x01\n\tRowResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06status\x18\x02 \x01(\x0e\x32\x16.maskwire.v1.RowStatus\x12\x11\n\tmask_rows\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x04 \x01(\r\x12\x11\n\tff_tokens\x18\x05 \x03(\x05\x12\x11\n\taccepting\x18\x06 \x01(\x08\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12\x10\n\x08position\x18\x08 \x01(\r\x12\x19\n\x11\x65xpected_position\x18\t \x01(\r\x12!\n\x05\x65rror\x18\n \x01(\x0b\x32\x12.google.rpc.Status\"\x1b\n\x05\x43lose\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"+\n\x06\x43losed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x66ound\x18\x02 \x01(\x08*\xb6\x01\n\x0fMaskRowEncoding\x12!\n\x1dMASK_ROW_ENCODING_UNSPECIFIED\x10\x00\x12\x1b\n\x17MASK_ROW_ENCODING_DENSE\x10\x01\x12\"\n\x1eMASK_ROW_ENCODING_SPARSE_ZEROS\x10\x02\x12!\n\x1dMASK_ROW_ENCODING_SPARSE_ONES\x10\x03\x12\x1c\n\x18MASK_ROW_ENCODING_REPEAT\x10\x04*\x87\x01\n\tRowStatus\x12\x1a\n\x16ROW_STATUS_UNSPECIFIED\x10\x00\x12\x11\n\rROW_STATUS_OK\x10\x01\x12\x15\n\x11ROW_STATUS_DESYNC\x10\x02\x12\x14\n\x10ROW_STATUS_ERROR\x10\x03\x12\x1e\n\x1aROW_STATUS_UNKNOWN_REQUEST\x10\x04\x32\xa0\x01\n\x0eGrammarService\x12\x44\n\x07\x43ompile\x12\x1b.maskwire.v1.CompileRequest\x1a\x1c.maskwire.v1.CompileResponse\x12H\n\x07Session\x12\x1b.maskwire.v1.SessionRequest\x1a\x1c.maskwire.v1.SessionResponse(\x01\x30\x01\x42<\n\x0f\x64\x65v.maskwire.v1P\x01Z\'maskwire.dev/gen/maskwire/v1;maskwirev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,36 +34,36 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'maskwire.v1.grammar_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\017dev.maskwire.v1P\001Z\'maskwire.dev/gen/maskwire/v1;maskwirev1'
-  _globals['_MASKROWENCODING']._serialized_start=1789
-  _globals['_MASKROWENCODING']._serialized_end=1971
-  _globals['_ROWSTATUS']._serialized_start=1974
-  _globals['_ROWSTATUS']._serialized_end=2109
+  _globals['_MASKROWENCODING']._serialized_start=1891
+  _globals['_MASKROWENCODING']._serialized_end=2073
+  _globals['_ROWSTATUS']._serialized_start=2076
+  _globals['_ROWSTATUS']._serialized_end=2211
   _globals['_COMPILEREQUEST']._serialized_start=93
   _globals['_COMPILEREQUEST']._serialized_end=208
-  _globals['_COMPILERESPONSE']._serialized_start=210
-  _globals['_COMPILERESPONSE']._serialized_end=301
-  _globals['_SESSIONREQUEST']._serialized_start=304
-  _globals['_SESSIONREQUEST']._serialized_end=435
-  _globals['_SESSIONRESPONSE']._serialized_start=438
-  _globals['_SESSIONRESPONSE']._serialized_end=589
-  _globals['_OPEN']._serialized_start=592
-  _globals['_OPEN']._serialized_end=821
-  _globals['_REQUESTOPTIONS']._serialized_start=823
-  _globals['_REQUESTOPTIONS']._serialized_end=891
-  _globals['_OPENED']._serialized_start=893
-  _globals['_OPENED']._serialized_end=992
-  _globals['_STEP']._serialized_start=994
-  _globals['_STEP']._serialized_end=1073
-  _globals['_STEPROW']._serialized_start=1075
-  _globals['_STEPROW']._serialized_end=1164
-  _globals['_STEPRESULT']._serialized_start=1167
-  _globals['_STEPRESULT']._serialized_end=1458
-  _globals['_ROWRESULT']._serialized_start=1461
-  _globals['_ROWRESULT']._serialized_end=1712
-  _globals['_CLOSE']._serialized_start=1714
-  _globals['_CLOSE']._serialized_end=1741
-  _globals['_CLOSED']._serialized_start=1743
-  _globals['_CLOSED']._serialized_end=1786
-  _globals['_GRAMMARSERVICE']._serialized_start=2112
-  _globals['_GRAMMARSERVICE']._serialized_end=2272
+  _globals['_COMPILERESPONSE']._serialized_start=211
+  _globals['_COMPILERESPONSE']._serialized_end=352
+  _globals['_SESSIONREQUEST']._serialized_start=355
+  _globals['_SESSIONREQUEST']._serialized_end=486
+  _globals['_SESSIONRESPONSE']._serialized_start=489
+  _globals['_SESSIONRESPONSE']._serialized_end=640
+  _globals['_OPEN']._serialized_start=643
+  _globals['_OPEN']._serialized_end=872
+  _globals['_REQUESTOPTIONS']._serialized_start=874
+  _globals['_REQUESTOPTIONS']._serialized_end=942
+  _globals['_OPENED']._serialized_start=945
+  _globals['_OPENED']._serialized_end=1094
+  _globals['_STEP']._serialized_start=1096
+  _globals['_STEP']._serialized_end=1175
+  _globals['_STEPROW']._serialized_start=1177
+  _globals['_STEPROW']._serialized_end=1266
+  _globals['_STEPRESULT']._serialized_start=1269
+  _globals['_STEPRESULT']._serialized_end=1560
+  _globals['_ROWRESULT']._serialized_start=1563
+  _globals['_ROWRESULT']._serialized_end=1814
+  _globals['_CLOSE']._serialized_start=1816
+  _globals['_CLOSE']._serialized_end=1843
+  _globals['_CLOSED']._serialized_start=1845
+  _globals['_CLOSED']._serialized_end=1888
+  _globals['_GRAMMARSERVICE']._serialized_start=2214
+  _globals['_GRAMMARSERVICE']._serialized_end=2374
 # @@protoc_insertion_point(module_scope)

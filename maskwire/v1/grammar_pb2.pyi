@@ -44,16 +44,18 @@ class CompileRequest(_message.Message):
     def __init__(self, constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., tokenizer: _Optional[_Union[_common_pb2.TokenizerFingerprint, _Mapping]] = ...) -> None: ...
 
 class CompileResponse(_message.Message):
-    __slots__ = ("grammar_id", "warnings", "cached", "compile_ms")
+    __slots__ = ("grammar_id", "warnings", "cached", "compile_ms", "schema_report")
     GRAMMAR_ID_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
     COMPILE_MS_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_REPORT_FIELD_NUMBER: _ClassVar[int]
     grammar_id: str
     warnings: _containers.RepeatedScalarFieldContainer[str]
     cached: bool
     compile_ms: float
-    def __init__(self, grammar_id: _Optional[str] = ..., warnings: _Optional[_Iterable[str]] = ..., cached: _Optional[bool] = ..., compile_ms: _Optional[float] = ...) -> None: ...
+    schema_report: _common_pb2.SchemaReport
+    def __init__(self, grammar_id: _Optional[str] = ..., warnings: _Optional[_Iterable[str]] = ..., cached: _Optional[bool] = ..., compile_ms: _Optional[float] = ..., schema_report: _Optional[_Union[_common_pb2.SchemaReport, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("open", "step", "close")
@@ -100,16 +102,18 @@ class RequestOptions(_message.Message):
     def __init__(self, reasoning_end_marker: _Optional[str] = ..., jump_forward: _Optional[bool] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("request_id", "warnings", "error", "position")
+    __slots__ = ("request_id", "warnings", "error", "position", "schema_report")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_REPORT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     warnings: _containers.RepeatedScalarFieldContainer[str]
     error: _status_pb2.Status
     position: int
-    def __init__(self, request_id: _Optional[str] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., position: _Optional[int] = ...) -> None: ...
+    schema_report: _common_pb2.SchemaReport
+    def __init__(self, request_id: _Optional[str] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., position: _Optional[int] = ..., schema_report: _Optional[_Union[_common_pb2.SchemaReport, _Mapping]] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("step", "rows", "compact_masks")

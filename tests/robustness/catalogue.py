@@ -535,10 +535,14 @@ GRAMMAR_CASES: list[GrammarCase] = [
         field="constraint.json_schema",
     ),
     GrammarCase(
-        "compile-unsupported-keyword",
+        "compile-unsupported-keyword-strict-mode",
         "compile",
         lambda t: _compile(
-            t, constraint=C(json_schema='{"type":"object","propertyNames":{"maxLength":3}}')
+            t,
+            constraint=C(
+                json_schema='{"type":"object","propertyNames":{"maxLength":3}}',
+                json_options=common_pb2.JsonOptions(schema_mode=common_pb2.SCHEMA_MODE_STRICT),
+            ),
         ),
         IA,
         field="constraint.json_schema",

@@ -546,3 +546,53 @@ def test_openapi_document(gw: ServiceProcess) -> None:
     validate(doc)
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"):
         assert path in doc["paths"]
+
+
+def test_schema_layer_takes_what_the_grammar_cannot_and_says_so(
+    client: openai.OpenAI, gw: ServiceProcess
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+            "version": {"type": "string", "format": "semver"},
+            "card": {"type": "string"},
+            "billing": {"type": "string"},
+        },
+        "required": ["tags"],
+        "dependentRequired": {"card": ["billing"]},
+    }
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tag this article about cats."}],
+        "temperature": 0,
+        "max_tokens": 80,
+        "response_format": rf,
+    }
+    r = httpx.post(f"http://{gw.address}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code in (200, 500), r.text
+    header = r.headers["x-maskwire-schema-enforcement"] if r.status_code == 200 else ""
+    if r.status_code == 200:
+        assert header.startswith("mode=complete; validated")
+        assert "rewritten=dependentRequired" in header and "runtime=uniqueItems" in header
+        assert "annotation=format" in header
+        choice = r.json()["choices"][0]
+        if choice["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    else:  # the model found no valid way through: a named error, never an invalid answer
+        assert r.json()["error"]["code"] == "constraint_unsatisfied"
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, "x", response_format=rf, extra_body={"schema_mode": "strict"})
+    assert isinstance(e.value.body, dict) and "Unimplemented" in e.value.body["message"]
+    strict = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "s",
+            "strict": True,
+            "schema": {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]},
+        },
+    }
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, "x", response_format=strict)
+    assert isinstance(e.value.body, dict) and "required property 'b'" in e.value.body["message"]

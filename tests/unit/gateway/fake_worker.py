@@ -38,6 +38,7 @@ class Reply:
     error: RpcError | None = None
     delay_s: float = 0.0  # between chunks
     error_text: str = ""
+    schema_report: common_pb2.SchemaReport | None = None  # sent on the first chunk
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
@@ -65,6 +66,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             last = i == len(reply.chunks) - 1
             msg = worker_pb2.GenerateResponse(request_id=request.request_id, text=text)
             msg.token_ids.extend([100 + i])
+            if i == 0 and reply.schema_report is not None:
+                msg.schema_report.CopyFrom(reply.schema_report)
             if last:
                 msg.finish_reason = reply.finish  # type: ignore[assignment]
                 msg.error = reply.error_text

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from gateway.app import GatewayConfig, create_app
 from maskwire.rpc import RpcError
-from maskwire.v1 import worker_pb2
+from maskwire.v1 import common_pb2, worker_pb2
 from tests.support.processes import free_port
 from tests.unit.gateway.fake_worker import MODEL, FakeWorkerServer, Reply
 
@@ -536,3 +536,55 @@ def test_openapi_document(http: TestClient) -> None:
         "stream_options",
     ):
         assert field in props
+
+
+REPORT = common_pb2.SchemaReport(
+    mode=common_pb2.SCHEMA_MODE_COMPLETE,
+    grammar_keywords=["properties", "type"],
+    validated=True,
+    keywords=[
+        common_pb2.KeywordEnforcement(
+            keyword="uniqueItems", location="#/properties/t", enforcement=3
+        ),
+        common_pb2.KeywordEnforcement(keyword="oneOf", location="#", enforcement=2),
+        common_pb2.KeywordEnforcement(keyword="format", location="#/x", enforcement=4),
+        common_pb2.KeywordEnforcement(keyword="bad key\r\n", location="#", enforcement=3),
+    ],
+)
+SCHEMA_HEADER = "mode=complete; validated; rewritten=oneOf; runtime=uniqueItems; annotation=format"
+
+
+def test_schema_enforcement_header_and_mode(http: TestClient, fake: FakeWorkerServer) -> None:
+    fake.worker.reply = lambda _: Reply(chunks=["{}"], schema_report=REPORT)
+    body = {
+        "model": MODEL,
+        "messages": USER,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+        "schema_mode": "strict",
+    }
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.headers["x-maskwire-schema-enforcement"] == SCHEMA_HEADER
+    assert last(fake).constraint.json_options.schema_mode == common_pb2.SCHEMA_MODE_STRICT
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+        assert s.headers["x-maskwire-schema-enforcement"] == SCHEMA_HEADER
+        s.read()
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert "x-maskwire-schema-enforcement" in r.headers  # the fake sends a report regardless
+    fake.worker.reply = lambda _: Reply()
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": USER})
+    assert "x-maskwire-schema-enforcement" not in r.headers
+
+
+def test_unsatisfied_constraint_is_a_named_error(
+    client: openai.OpenAI, fake: FakeWorkerServer
+) -> None:
+    fake.worker.reply = lambda _: Reply(
+        chunks=["[1, "],
+        finish=worker_pb2.FINISH_REASON_ERROR,
+        error_text="constraint failed: constraint could not be satisfied: no token keeps the "
+        "output valid against the schema",
+    )
+    with pytest.raises(openai.InternalServerError) as info:
+        client.chat.completions.create(model=MODEL, messages=USER)
+    assert info.value.code == "constraint_unsatisfied"
+    assert "constraint could not be satisfied" in info.value.message

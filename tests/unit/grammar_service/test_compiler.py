@@ -5,7 +5,7 @@ import json
 import grpc
 import pytest
 
-from grammar_service.compiler import ParserLimits, compile_constraint, to_grammar
+from grammar_service.compiler import ParserLimits, compile_constraint, translate
 from maskwire.rpc import RpcError
 from maskwire.tokenizer import Tokenizer, load_tokenizer, tekken_path
 from maskwire.v1 import common_pb2
@@ -17,14 +17,14 @@ def tok() -> Tokenizer:
 
 
 def test_json_defaults_are_compact(tok: Tokenizer) -> None:
-    g = json.loads(to_grammar(common_pb2.Constraint(json_schema='{"type": "object"}'), tok))
+    g = json.loads(translate(common_pb2.Constraint(json_schema='{"type": "object"}'), tok).grammar)
     opts = g["grammars"][0]["json_schema"]["x-guidance"]
     assert opts["whitespace_flexible"] is False
     assert (opts["item_separator"], opts["key_separator"]) == (", ", ": ")
     flex = common_pb2.Constraint(
         json_object=True, json_options=common_pb2.JsonOptions(whitespace_flexible=True)
     )
-    opts = json.loads(to_grammar(flex, tok))["grammars"][0]["json_schema"]["x-guidance"]
+    opts = json.loads(translate(flex, tok).grammar)["grammars"][0]["json_schema"]["x-guidance"]
     assert opts["whitespace_flexible"] is True and opts["item_separator"] == ","
 
 
@@ -33,13 +33,13 @@ def test_structural_tags_use_lazy_trigger_for_non_special_text(tok: Tokenizer) -
         triggers=["<tool_call>"],
         tags=[common_pb2.StructuralTag(begin="<tool_call>", json_schema="{}", end="</tool_call>")],
     )
-    lark = to_grammar(common_pb2.Constraint(structural_tags=st), tok)
+    lark = translate(common_pb2.Constraint(structural_tags=st), tok).grammar
     assert '"<tool_call>"' in lark and "[lazy]" in lark  # not a special-token reference
     st2 = common_pb2.StructuralTags(
         triggers=["<|im_start|>"],
         tags=[common_pb2.StructuralTag(begin="<|im_start|>", json_schema="{}", end="")],
     )
-    lark2 = to_grammar(common_pb2.Constraint(structural_tags=st2), tok)
+    lark2 = translate(common_pb2.Constraint(structural_tags=st2), tok).grammar
     assert "TAG_TEXT <|im_start|>" in lark2  # a real special token of SmolLM2
 
 
@@ -56,7 +56,7 @@ def test_structural_tag_trigger_on_a_special_token_named_by_id() -> None:
         ],
     )
     constraint = common_pb2.Constraint(structural_tags=st)
-    assert "TAG_TEXT <[9]>" in to_grammar(constraint, tekken)
+    assert "TAG_TEXT <[9]>" in translate(constraint, tekken).grammar
     grammar = compile_constraint(constraint, tekken, ParserLimits())
     m = grammar.new_matcher()
     assert m.consume_tokens(tekken.encode("Hi[TOOL_CALLS][]")[1:]) and m.is_accepting()
