@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from maskwire.tokenizer import load_tokenizer  # noqa: E402
 from neuron_worker.backends import create_backend  # noqa: E402
 from neuron_worker.engine import Engine, EngineConfig  # noqa: E402
+from neuron_worker.graphs import Pass  # noqa: E402
 from neuron_worker.masks import scatter_mask_rows  # noqa: E402
 from neuron_worker.model import load_model  # noqa: E402
 from neuron_worker.sampler import Sampler, SamplingTensors  # noqa: E402
@@ -124,7 +125,7 @@ def time_steps(engines: dict[str, Engine], n: int, kv: int, steps: int) -> dict[
         for name, engine in engines.items():
             tokens, pos, slots, last, compact, dest, ban, params = inputs[name]
             t0 = time.perf_counter()
-            logits = engine._run_forward(tokens, pos, slots, last, kv)
+            logits = engine.forward.run(Pass(tokens, pos, slots, last, kv))
             t1 = time.perf_counter()
             engine._run_sampler(logits, compact, dest, ban, params)
             t2 = time.perf_counter()

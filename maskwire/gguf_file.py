@@ -30,6 +30,7 @@ _SCALARS = {
     12: "<d",
 }
 _STRING, _ARRAY = 8, 9
+Q4_1 = 3  # ggml type id
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,21 @@ class GGUFTensor:
         qtype = gguf.GGMLQuantizationType(self.ggml_type)
         out = np.asarray(gguf.quants.dequantize(self.data, qtype), dtype=np.float32)
         return out.reshape(self.shape).copy()
+
+    def q4_1_blocks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """A Q4_1 tensor's own numbers, `w = scale * q + min` per block of 32 along a row:
+        (q uint8 [rows, cols] in 0..15, scale float32 [rows, cols/32], min float32 [rows,
+        cols/32]); None for other types. What `dequantize` computes, before it computes it."""
+        if self.ggml_type != Q4_1 or len(self.shape) != 2:
+            return None
+        rows, cols = self.shape
+        blocks = self.data.reshape(rows, cols // 32, 20)
+        scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        low = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        packed = blocks[..., 4:20]
+        # ggml packs element j in the low nibble and element j + 16 in the high one.
+        q = np.concatenate((packed & 0x0F, packed >> 4), axis=-1).reshape(rows, cols)
+        return q, scale, low
 
 
 class GGUFFile:

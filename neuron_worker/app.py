@@ -22,15 +22,19 @@ from neuron_worker.grammar_client import GrammarClient
 from neuron_worker.metrics import Metrics
 from neuron_worker.scheduler import parse_buckets, pow2_buckets
 from neuron_worker.servicer import WorkerServicer
+from neuron_worker.tuning import resolve as resolve_tuning
+from neuron_worker.tuning import use_compile_cache
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
-def engine_config(args: argparse.Namespace, model_max_seq: int) -> EngineConfig:
-    """EngineConfig from the CLI flags (limits checked, buckets resolved)."""
+def engine_config(
+    args: argparse.Namespace, model_max_seq: int, *, bucketed: bool = True
+) -> EngineConfig:
+    """EngineConfig from the CLI flags (limits checked, buckets resolved); `bucketed`: forward
+    shapes padded to the buckets (XLA) rather than dynamic."""
     if args.max_batch_size < 1:
         raise SystemExit("--max-batch-size must be >= 1")
     if args.max_queue < 0:
@@ -60,6 +64,7 @@ def engine_config(args: argparse.Namespace, model_max_seq: int) -> EngineConfig:
         max_prefill_tokens=args.max_prefill_tokens,
         # A decode step is one token per row: 1 is always a bucket.
         token_buckets=tuple(sorted({1, *parse_buckets(args.token_buckets, max_seq, 1)})),
+        bucketed=bucketed,
         structured_outputs=args.structured_outputs,
         overlap=args.overlap,
         jump_forward=args.jump_forward,
@@ -80,24 +85,38 @@ async def serve(
     # torch sizes its pool to the node; a container's CPU limit caps it (see maskwire.cpus).
     torch.set_num_threads(args.threads or min(torch.get_num_threads(), available_cpus()))
     began = time.perf_counter()
+    tuning = resolve_tuning(
+        device=args.device,
+        spec=args.model,
+        dtype=args.dtype,
+        compile=args.compile,
+        quantize=args.quantize,
+        warmup=args.warmup,
+        compile_cache=args.compile_cache,
+    )
+    cache = use_compile_cache(tuning.compile_cache) if tuning.compile else None
+    log.info("worker settings: %s; %d threads", tuning.describe(), torch.get_num_threads())
     tokenizer = load_tokenizer(args.model)
-    backend = create_backend(args.device, compile=args.compile)
-    model = load_model(args.model, device=backend.device, dtype=_DTYPES[args.dtype])
+    backend = create_backend(args.device, compile=tuning.compile)
+    model = load_model(
+        args.model,
+        device=backend.device,
+        dtype=tuning.dtype,
+        serving=True,
+        quantize=tuning.quantize,
+        quantize_rows=args.max_batch_size,  # every decode pass
+    )
     model.eval()
-    config = engine_config(args, int(model.config.max_seq_len))
+    config = engine_config(args, int(model.config.max_seq_len), bucketed=backend.name == "xla")
     model_name = str(model.config.name)
-    forward = backend.compile(model, name="forward")
     sampler = Sampler(
         vocab_size=tokenizer.vocab_size,
         logits_size=int(model.config.vocab_size),
-        max_rows=config.batch_buckets[-1],
+        max_rows=max(2, config.batch_buckets[-1]),
         device=backend.device,
         structured_outputs=config.structured_outputs,
         compile=backend.compile_enabled,
     )
-    if backend.compile_enabled:
-        log.info("warming up the sampler for batch buckets %s", list(config.batch_buckets))
-        sampler.warmup(config.batch_buckets)
 
     grammar: GrammarClient | None = None
     resolver: Resolver | None = None
@@ -122,7 +141,7 @@ async def serve(
 
     metrics = Metrics()
     engine = Engine(
-        model=_CompiledForward(model, forward),
+        model=model,
         tokenizer=tokenizer,
         backend=backend,
         sampler=sampler,
@@ -133,8 +152,11 @@ async def serve(
         metrics=metrics,
     )
     await engine.start()
-    if backend.warmup_by_default if args.warmup is None else args.warmup:
+    if tuning.warmup:
         await engine.warmup()
+        if cache is not None:
+            log.info("compiled graphs are cached in %s", cache)
+    engine.serving()
     servicer = WorkerServicer(
         engine,
         tokenizer,
@@ -178,23 +200,3 @@ async def serve(
         if resolver is not None:
             await resolver.stop()
     return 0
-
-
-class _CompiledForward:
-    """The model with its forward replaced by the backend's compiled version."""
-
-    def __init__(self, model: torch.nn.Module, forward: object) -> None:
-        self.config = model.config
-        self._model = model
-        self._forward = forward
-
-    def setup_caches(self, max_batch: int, max_seq: int) -> None:
-        self._model.setup_caches(max_batch, max_seq)  # type: ignore[operator]
-
-    def __call__(
-        self, tokens: torch.Tensor, input_pos: torch.Tensor, cache_slots: torch.Tensor, kv_len: int
-    ) -> torch.Tensor:
-        return self._forward(tokens, input_pos, cache_slots, kv_len)  # type: ignore[operator]
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._model.logits(hidden)  # type: ignore[operator]

@@ -36,12 +36,13 @@ class Backend:
         self.compile_enabled = compile
         self.device = torch.device("cpu")
 
-    def compile(self, fn: F, *, name: str = "") -> F:
-        """Compile `fn` for this device when compiling is on (static shapes: one graph per bucket)."""
+    def compile(self, fn: F, *, name: str = "", dynamic: bool = False) -> F:
+        """Compile `fn` for this device when compiling is on. `dynamic`: dimensions the caller
+        marks (`torch._dynamo.mark_dynamic`) stay symbolic; else every shape is its own graph."""
         if not self.compile_enabled:
             return fn
         log.info("compiling %s with torch.compile", name or getattr(fn, "__name__", "fn"))
-        return torch.compile(fn, dynamic=False)  # type: ignore[return-value]
+        return torch.compile(fn, fullgraph=True, dynamic=None if dynamic else False)  # type: ignore[return-value]
 
     def sync(self) -> None:
         """Wait until queued device work is done (timing and host reads)."""
@@ -111,7 +112,7 @@ class XlaBackend(Backend):
 
         xla.register_prometheus()
 
-    def compile(self, fn: F, *, name: str = "") -> F:
+    def compile(self, fn: F, *, name: str = "", dynamic: bool = False) -> F:
         # XLA compiles every traced graph already; torch.compile's openxla backend is optional.
         if not self.compile_enabled:
             return fn

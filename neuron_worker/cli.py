@@ -29,7 +29,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_refresh_argument(p)
     p.add_argument("--device", choices=("cpu", "cuda", "xla"), default="cpu")
     p.add_argument(
-        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="model dtype"
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="model dtype (auto: bfloat16 where the device computes it natively, i.e. CUDA or a "
+        "CPU with AVX512-BF16/AMX; float32 elsewhere)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=("auto", "none", "int4", "int8"),
+        default="auto",
+        help="weight-only quantized kernels for decode passes on CPU (bfloat16 activations); "
+        "auto: int4 when the checkpoint's weights are Q4_1 already (the embedded SmolLM2: exact), "
+        "else none; int8 and int4 on other checkpoints round the weights",
+    )
+    p.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR",
+        help="keep compiled graphs here across restarts (default $XDG_CACHE_HOME/maskwire/compile; "
+        "'' for none)",
     )
     so = p.add_mutually_exclusive_group()
     so.add_argument(
@@ -91,13 +110,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--warmup",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="run every bucketed graph shape once before serving (default: on for xla)",
+        help="run every graph shape once before serving (default: on when compiled, and on xla)",
     )
     p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="torch.compile the forward and the sampler, one graph per bucket (default off)",
+        help="torch.compile the forward and the sampler (default: on for cpu and cuda; every graph "
+        "is built before the worker reports ready)",
     )
     p.add_argument(
         "--jump-forward",

@@ -35,9 +35,10 @@ from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import grammar_pb2, worker_pb2
 from neuron_worker.backends import Backend
 from neuron_worker.grammar_client import GrammarClient, GrammarRequest, RowOutcome
+from neuron_worker.graphs import CompileCounter, ForwardRunner, Pass, StepModel
 from neuron_worker.metrics import Metrics
 from neuron_worker.request import Request, State
-from neuron_worker.scheduler import Scheduler, bucket_for, forward_shapes, pow2_buckets
+from neuron_worker.scheduler import Scheduler, pow2_buckets
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +53,6 @@ _EMPTY_LANGUAGE = RpcError(
     [("constraint", "matches nothing")],
     reason="EMPTY_LANGUAGE",
 )
-
-
-class ModelLike(Protocol):
-    """What the engine needs of a model (neuron_worker.model.Transformer, or a bench stand-in)."""
-
-    config: Any  # .vocab_size (logits dimension), .max_seq_len, .name
-
-    def setup_caches(self, max_batch: int, max_seq: int) -> None: ...
-
-    def __call__(
-        self, tokens: Tensor, input_pos: Tensor, cache_slots: Tensor, kv_len: int
-    ) -> Tensor: ...
-
-    def logits(self, hidden: Tensor) -> Tensor: ...
 
 
 class SamplerLike(Protocol):
@@ -84,6 +71,10 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
     # Tokens per row in one forward pass (prefill, jump-forward); () = 1, 2, 4, ..., max_seq_len.
     token_buckets: tuple[int, ...] = ()
+    # Forward shapes: every dimension padded to the buckets above (XLA: one graph per bucket), or
+    # dynamic (two graphs with symbolic sizes; `neuron_worker.graphs`). The sampler always uses
+    # `batch_buckets`.
+    bucketed: bool = True
     structured_outputs: bool = True
     overlap: bool = True
     jump_forward: bool = True
@@ -104,7 +95,7 @@ class Engine:
     def __init__(
         self,
         *,
-        model: ModelLike,
+        model: StepModel,
         tokenizer: Tokenizer,
         backend: Backend,
         sampler: SamplerLike,
@@ -139,6 +130,17 @@ class Engine:
         # One extra cache slot that padding rows point at, so they can never touch a live slot.
         self.pad_slot = config.max_batch
         self.token_buckets = list(config.token_buckets) or pow2_buckets(1, config.max_seq_len)
+        self.forward = ForwardRunner(
+            model,
+            backend,
+            max_rows=config.max_batch,
+            max_seq=config.max_seq_len,
+            pad_slot=self.pad_slot,
+            batch_buckets=config.batch_buckets if config.bucketed else (),
+            token_buckets=self.token_buckets if config.bucketed else (),
+            seq_buckets=config.seq_buckets if config.bucketed else (),
+        )
+        self.compiles = CompileCounter(self.metrics.compiled_while_serving)
         self._eos_index: Tensor | None = None
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maskwire-device")
         self._wake = asyncio.Event()
@@ -158,6 +160,11 @@ class Engine:
         # the first forward graph, which then never matches a later step's graph).
         self.backend.mark_step()
         self.backend.sync()
+
+    def serving(self) -> None:
+        """Warm-up is over: from now on a compiled graph means a request waited for a compile
+        (`maskwire_worker_compiles_while_serving_total`, which must stay 0)."""
+        self.compiles.ready()
 
     async def stop(self) -> None:
         self._stopping = True
@@ -279,6 +286,7 @@ class Engine:
                 if batch:
                     await self._decode(batch)
                 self._flush_outputs()
+                self.compiles.check()
                 self.metrics.queue(self.scheduler.queue_depth, len(self.scheduler.running))
                 if not batch and not self.scheduler.waiting:
                     self._wake.clear()
@@ -430,54 +438,26 @@ class Engine:
 
     # ------------------------------------------------------------------ device work
     async def _forward(self, rows: list[_Row], kind: str) -> Tensor:
-        """One forward pass over `rows`; returns logits [batch bucket, logits_size] for each row's
+        """One forward pass over `rows`; returns logits [padded rows, logits_size] for each row's
         last token (padding rows: garbage)."""
-        n = self.scheduler.batch_bucket(len(rows))
-        t = bucket_for(self.token_buckets, max(len(r.tokens) for r in rows))
+        end = max(row.start + len(row.tokens) for row in rows)
+        n, t, kv_len = self.forward.shape(len(rows), max(len(r.tokens) for r in rows), end)
         tokens = np.zeros((n, t), dtype=np.int64)
         pos = np.full((n, t), -1, dtype=np.int64)
         slots = np.full(n, self.pad_slot, dtype=np.int64)
         last = np.zeros(n, dtype=np.int64)
-        end = 1
         for i, row in enumerate(rows):
             k = len(row.tokens)
             tokens[i, :k] = row.tokens
             pos[i, :k] = np.arange(row.start, row.start + k)
             slots[i] = row.req.slot
             last[i] = k - 1
-            end = max(end, row.start + k)
             row.req.forward_passes += 1
-        kv_len = self.scheduler.seq_bucket(end)
-
-        def run() -> Tensor:
-            return self._run_forward(tokens, pos, slots, last, kv_len)
-
+        p = Pass(tokens, pos, slots, last, kv_len)
         began = time.perf_counter()
-        logits = await self._on_device(run)
+        logits = await self._on_device(lambda: self.forward.run(p))
         self.metrics.forward(kind, time.perf_counter() - began)
         return logits
-
-    def _run_forward(
-        self, tokens: np.ndarray, pos: np.ndarray, slots: np.ndarray, last: np.ndarray, kv_len: int
-    ) -> Tensor:
-        """Device thread: one forward graph of shape (batch, T, kv_len) -> logits [batch, L] of
-        each row's token `last`. Cut into its own graph so the mask is needed only when sampling."""
-        backend = self.backend
-        with backend.inference_mode():
-            tok = backend.to_device(torch.from_numpy(tokens))
-            ip = backend.to_device(torch.from_numpy(pos))
-            sl = backend.to_device(torch.from_numpy(slots))
-            hidden = self.model(tok, ip, sl, kv_len)
-            n, t = tokens.shape
-            if t > 1:
-                idx = backend.to_device(torch.from_numpy(last))
-                h = hidden[torch.arange(n, device=hidden.device), idx]
-            else:
-                h = hidden[:, 0]
-            out = self.model.logits(h)
-            backend.mark_step()
-            backend.sync()
-            return out
 
     async def _sample_rows(
         self,
@@ -591,18 +571,11 @@ class Engine:
         return count
 
     def _warmup_graphs(self, on_graph: Callable[[str], None]) -> int:
-        count = 0
-        buckets = self.scheduler.batch_buckets
-        for n, t, kv in forward_shapes(buckets, self.token_buckets, self.scheduler.seq_buckets):
-            pos = np.full((n, t), -1, dtype=np.int64)
-            slots = np.full(n, self.pad_slot, dtype=np.int64)
-            zeros = np.zeros(n, dtype=np.int64)
-            self._run_forward(np.zeros((n, t), dtype=np.int64), pos, slots, zeros, kv)
-            on_graph(f"forward batch={n} tokens={t} kv_len={kv}")
-            count += 1
-        for n in buckets:
+        count = self.forward.warmup(on_graph)
+        sizes = self.forward.logits_rows()
+        for n in sizes:
             logits = torch.zeros(n, self.logits_size)
-            for m in (m for m in buckets if m <= n):
+            for m in (m for m in sizes if m <= n):
                 dev = self.backend.to_device
                 self._replace(dev(logits), dev(logits[:m].clone()), [])
                 on_graph(f"jump-forward rows batch={n} rows={m}")

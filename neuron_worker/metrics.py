@@ -59,6 +59,10 @@ GRAMMAR_REPLICA_DEATHS = prom.Counter(
     "happened while the replica held a request's Open or first step (the request id is logged)",
     ["attributed"],
 )
+COMPILES_WHILE_SERVING = prom.Counter(
+    "maskwire_worker_compiles_while_serving_total",
+    "Graphs compiled after warm-up (a request waited for each): should stay 0",
+)
 POISON_REQUESTS = prom.Counter(
     "maskwire_worker_poison_requests_total",
     "Requests failed because their constraint crashed grammar replicas (it is never sent again)",
@@ -78,6 +82,7 @@ class EngineStats:
     forward_passes: int = 0
     sampled_tokens: int = 0
     forced_tokens: int = 0
+    compiles_while_serving: int = 0
 
     def snapshot(self) -> dict[str, float]:
         return asdict(self)
@@ -111,6 +116,10 @@ class Metrics:
     def sample(self, seconds: float) -> None:
         self.stats.sample_s += seconds
         SAMPLE_SECONDS.observe(seconds)
+
+    def compiled_while_serving(self, graphs: int) -> None:
+        self.stats.compiles_while_serving += graphs
+        COMPILES_WHILE_SERVING.inc(graphs)
 
     def tokens(self, sampled: int, forced: int) -> None:
         self.stats.sampled_tokens += sampled

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from maskwire.gguf_file import GGUFFile
 from neuron_worker.model.config import ModelConfig, ModelLoadError, config_from_gguf
+from neuron_worker.model.linear import Int4Weight
 
 # GGUF tensor name (after `blk.{i}.`) -> canonical name (after `layers.{i}.`).
 _LAYER_NAMES = {
@@ -99,3 +100,27 @@ def load_gguf(path: Path, name: str) -> tuple[ModelConfig, dict[str, Tensor]]:
                 if full in tensors:
                     tensors[full] = unpermute_rope(tensors[full], heads)
     return config, tensors
+
+
+def gguf_int4_weights(path: Path, config: ModelConfig) -> dict[str, Int4Weight]:
+    """The Q4_1 tensors of a GGUF file as stored (canonical names, Q/K rows unpermuted like the
+    float weights): the exact source of `--quantize int4`. Other tensors are not listed."""
+    gf = GGUFFile(path)
+    out: dict[str, Int4Weight] = {}
+    for t in gf.tensors.values():
+        canonical = _canonical_name(t.name)
+        blocks = t.q4_1_blocks() if canonical is not None else None
+        if canonical is None or blocks is None:
+            continue
+        q, scale, low = (torch.from_numpy(a) for a in blocks)
+        out[canonical] = Int4Weight(q, scale, low)
+    if gf.metadata.get("general.architecture") == "llama":
+        for name, w in list(out.items()):
+            for key, heads in (
+                (".attention.wq.", config.n_heads),
+                (".attention.wk.", config.n_kv_heads),
+            ):
+                if key in name:
+                    order = unpermute_rope(torch.arange(w.q.shape[0]).unsqueeze(1), heads)
+                    out[name] = w.rows(order.squeeze(1))
+    return out

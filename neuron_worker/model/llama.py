@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from neuron_worker.model.config import ModelConfig
+from neuron_worker.model.linear import Int4Weight, ServingLinear
 
 
 class RMSNorm(nn.Module):
@@ -81,8 +82,11 @@ class Attention(nn.Module):
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
-        self.wqkv = nn.Linear(config.dim, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
-        self.wo = nn.Linear(config.q_size, config.dim, bias=False)
+        # nn.Linear, or a ServingLinear after `Transformer.use_serving_linears`.
+        self.wqkv: nn.Module = nn.Linear(
+            config.dim, config.q_size + 2 * config.kv_size, bias=config.qkv_bias
+        )
+        self.wo: nn.Module = nn.Linear(config.q_size, config.dim, bias=False)
         self.kv_cache: KVCache | None = None
 
     def forward(
@@ -125,8 +129,8 @@ class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.ffn_dim = config.ffn_dim
-        self.w13 = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
-        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        self.w13: nn.Module = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
+        self.w2: nn.Module = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
@@ -183,7 +187,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.output: nn.Module = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.max_batch = 0
@@ -224,6 +228,41 @@ class Transformer(nn.Module):
         self.rope_sin = sin.to(weight.device, weight.dtype)
         self.max_batch, self.max_seq = max_batch, max_seq
 
+    def use_serving_linears(
+        self,
+        quantize: str = "none",
+        small_rows: int = 0,
+        sources: Mapping[str, Int4Weight] | None = None,
+    ) -> None:
+        """Swap every projection and the LM head for `ServingLinear`s
+        (`neuron_worker.model.linear`): oneDNN-prepacked bf16 weights on CPU, and with
+        `quantize` a weight-only kernel for passes of at most `small_rows` rows (the layers, not
+        the head). `sources`: canonical per-tensor int4 weights to use as they are (a Q4_1
+        GGUF's own), else each is quantized from its floats."""
+        src = sources or {}
+
+        def fused(prefix: str, names: tuple[str, ...]) -> Int4Weight | None:
+            found = [src.get(f"{prefix}{n}.weight") for n in names]
+            if any(f is None for f in found):
+                return None
+            return Int4Weight.cat([f for f in found if f is not None])
+
+        def serving(lin: nn.Module, exact: Int4Weight | None, q: str) -> ServingLinear:
+            assert isinstance(lin, nn.Linear | ServingLinear)
+            return ServingLinear(
+                lin.weight.detach(), lin.bias, quantize=q, small_rows=small_rows, int4=exact
+            )
+
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, TransformerBlock)
+            p = f"layers.{i}."
+            attn, ffn = layer.attention, layer.feed_forward
+            attn.wqkv = serving(attn.wqkv, fused(p + "attention.", ("wq", "wk", "wv")), quantize)
+            attn.wo = serving(attn.wo, src.get(f"{p}attention.wo.weight"), quantize)
+            ffn.w13 = serving(ffn.w13, fused(p + "feed_forward.", ("w1", "w3")), quantize)
+            ffn.w2 = serving(ffn.w2, src.get(f"{p}feed_forward.w2.weight"), quantize)
+        self.output = serving(self.output, None, "none")
+
     def kv_caches(self) -> list[KVCache]:
         """Each layer's cache (empty before `setup_caches`)."""
         caches = []
@@ -248,7 +287,20 @@ class Transformer(nn.Module):
         """
         if not 0 < kv_len <= self.max_seq:
             raise ValueError(f"kv_len={kv_len} outside (0, max_seq={self.max_seq}]")
+        return self.hidden(tokens, input_pos, cache_slots, self.kv_positions(kv_len))
+
+    def kv_positions(self, kv_len: int) -> Tensor:
+        """The KV positions a pass attends, [kv_len]: `hidden` takes the KV length as this
+        tensor's size so that a compiled graph can leave it symbolic (one graph for every
+        length)."""
+        return torch.arange(kv_len, device=self.tok_embeddings.weight.device)
+
+    def hidden(
+        self, tokens: Tensor, input_pos: Tensor, cache_slots: Tensor | None, kv_positions: Tensor
+    ) -> Tensor:
+        """`forward` with the KV length given as `kv_positions` (see `kv_positions`)."""
         b, t = tokens.shape
+        kv_len = kv_positions.shape[0]
         if cache_slots is None and b > self.max_batch:
             raise ValueError(f"cache_slots=None needs B={b} <= max_batch={self.max_batch}")
         group = self.config.n_heads // self.config.n_kv_heads
@@ -256,7 +308,7 @@ class Transformer(nn.Module):
         cos = self.rope_cos[pos].unsqueeze(2)
         sin = self.rope_sin[pos].unsqueeze(2)
         # Padding rows see position 0 only (never an all-masked row, so never NaN).
-        mask = torch.arange(kv_len, device=tokens.device) <= pos.unsqueeze(-1)  # [B, T, kv_len]
+        mask = kv_positions <= pos.unsqueeze(-1)  # [B, T, kv_len]
         mask = mask.unsqueeze(1).expand(b, group, t, kv_len).reshape(b, 1, group * t, kv_len)
         rows = torch.arange(b, device=tokens.device) if cache_slots is None else cache_slots
         write_slots = rows.unsqueeze(1).expand(b, t)
@@ -268,6 +320,23 @@ class Transformer(nn.Module):
                 layer, x, cos, sin, mask, write_slots, write_pos, cache_slots, kv_len
             )
         return self.norm(x)
+
+    def step_logits(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        cache_slots: Tensor,
+        kv_positions: Tensor,
+        last: Tensor,
+    ) -> Tensor:
+        """One pass and the float32 logits [B, vocab_size] of each row's token `last` [B]: the
+        graph the engine runs (and compiles) for every forward pass."""
+        h = self.hidden(tokens, input_pos, cache_slots, kv_positions)
+        if tokens.shape[1] > 1:
+            h = h[torch.arange(tokens.shape[0], device=tokens.device), last]
+        else:
+            h = h[:, 0]
+        return self.logits(h)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """[N, dim] -> [N, vocab_size] float32 (LM head)."""

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from maskwire.tokenizer import EMBEDDED_NAME, TokenizerLoadError, load_tokenizer, resolve_spec
 from neuron_worker.model.config import ModelConfig, ModelLoadError
-from neuron_worker.model.gguf_loader import load_gguf
+from neuron_worker.model.gguf_loader import gguf_int4_weights, load_gguf
 from neuron_worker.model.hf_loader import load_hf, save_hf
 from neuron_worker.model.llama import Transformer
 
@@ -45,11 +45,30 @@ def build_model(
 
 
 def load_model(
-    spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    spec: str,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    serving: bool = False,
+    quantize: str = "none",
+    quantize_rows: int = 0,
 ) -> Transformer:
-    """SPEC: 'default' (embedded SmolLM2 GGUF), a .gguf path, or a HF checkpoint dir."""
+    """SPEC: 'default' (embedded SmolLM2 GGUF), a .gguf path, or a HF checkpoint dir.
+
+    `serving`: the worker's linear kernels (`Transformer.use_serving_linears`: prepacked bf16
+    on CPU; with `quantize`, weight-only kernels for passes of at most `quantize_rows` rows; a
+    Q4_1 GGUF's int4 weights are used exactly as stored). Off: plain `nn.Linear`s, the
+    reference the tests compare with transformers."""
     config, weights = read_checkpoint(spec)
-    return build_model(config, weights, device=device, dtype=dtype)
+    model = build_model(config, weights, device=device, dtype=dtype)
+    if serving:
+        sources = None
+        if quantize == "int4":
+            path = resolve_spec(spec)
+            if path.suffix == ".gguf":
+                sources = gguf_int4_weights(path, config)
+        model.use_serving_linears(quantize, quantize_rows, sources)
+    return model
 
 
 def export_hf_checkpoint(spec: str, out_dir: Path) -> Path:

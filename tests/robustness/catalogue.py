@@ -235,8 +235,11 @@ HTTP_CASES: list[HttpCase] = [
         SCHEMA_PARAM,
     ),
     HttpCase(
-        "schema-unsupported-keyword",
-        schema_body({"type": "string", "if": {"type": "string"}, "then": {"minLength": 2}}),
+        "schema-unsupported-keyword-strict-mode",
+        {
+            **schema_body({"type": "string", "if": {"type": "string"}, "then": {"minLength": 2}}),
+            "schema_mode": "strict",  # complete mode (the default) takes it: issue 15
+        },
         400,
         "unsupported_constraint",
         SCHEMA_PARAM,

@@ -23,6 +23,22 @@ from maskwire.tls import ClientTLS, make_sync_channel
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def worker_args(args: list[str]) -> list[str]:
+    """`args` plus the worker's reference settings where it chooses none: integration tests run
+    the worker eager in fp32 (the configuration checked against transformers), fast to start and
+    with the greedy outputs the tests expect; tests of the fast default pass their own
+    --compile / --dtype / --quantize."""
+    chosen = " ".join(args)
+    extra: list[str] = []
+    if "--compile" not in chosen and "--no-compile" not in chosen:
+        extra.append("--no-compile")
+    if "--dtype" not in chosen:
+        extra += ["--dtype", "float32"]
+    if "--quantize" not in chosen:
+        extra += ["--quantize", "none"]
+    return [*args, *extra]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,6 +69,8 @@ class ServiceProcess:
             prefix=f"maskwire-{command}-", suffix=".log", delete=False
         )
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if command == "worker":
+            args = worker_args(args)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "maskwire.cli", command, "--port", str(port), *args],
             stdout=self.log,

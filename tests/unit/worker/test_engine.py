@@ -52,11 +52,17 @@ class FakeModel:
     def setup_caches(self, max_batch: int, max_seq: int) -> None:
         self.cache = np.full((max_batch, max_seq), -1, dtype=np.int64)
 
-    def __call__(
-        self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, kv_len: int
+    def step_logits(
+        self,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        kv_positions: torch.Tensor,
+        last: torch.Tensor,
     ) -> torch.Tensor:
         b, t = tokens.shape
-        out = torch.zeros(b, t, 1)
+        kv_len = kv_positions.shape[0]
+        out = torch.zeros(b, dtype=torch.long)
         for i in range(b):
             slot = int(slots[i])
             for j in range(t):
@@ -65,12 +71,10 @@ class FakeModel:
                     continue
                 assert p < kv_len
                 self.cache[slot, p] = int(tokens[i, j])
-                out[i, j, 0] = next_token(self.cache[slot, : p + 1].tolist())
-        return out
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        lg = torch.zeros(hidden.shape[0], self.config.vocab_size)
-        lg[torch.arange(hidden.shape[0]), hidden[:, 0].long()] = 10.0
+                if j == int(last[i]):
+                    out[i] = next_token(self.cache[slot, : p + 1].tolist())
+        lg = torch.zeros(b, self.config.vocab_size)
+        lg[torch.arange(b), out] = 10.0
         return lg
 
 
@@ -121,7 +125,7 @@ def reference(prompt: list[int], max_tokens: int, constrained: bool, limit: int)
 
 
 def make_engine(
-    *, overlap: bool, jump_forward: bool = True, limit: int = 9
+    *, overlap: bool, jump_forward: bool = True, limit: int = 9, bucketed: bool = True
 ) -> tuple[Engine, FakeModel]:
     model = FakeModel()
     config = EngineConfig(
@@ -130,6 +134,7 @@ def make_engine(
         max_queue=8,
         batch_buckets=(1, 2, 4),
         seq_buckets=(64, 128, 256),
+        bucketed=bucketed,
         overlap=overlap,
         jump_forward=jump_forward,
     )
@@ -178,9 +183,12 @@ async def collect(req: Request) -> tuple[list[int], str, worker_pb2.GenerateResp
             return ids, text, msg
 
 
+@pytest.mark.parametrize("bucketed", [True, False], ids=["buckets", "dynamic"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
-async def test_continuous_batching_matches_reference(overlap: bool) -> None:
-    engine, _ = make_engine(overlap=overlap)
+async def test_continuous_batching_matches_reference(overlap: bool, bucketed: bool) -> None:
+    """Both shape policies: with dynamic shapes a lone decode row gets a padding row and a lone
+    multi-token row is split in two half-rows on its own slot; outputs must not change."""
+    engine, _ = make_engine(overlap=overlap, bucketed=bucketed)
     await engine.start()
     try:
         reqs = [request(i, constrained=i % 2 == 0) for i in range(7)]  # more than 4 slots

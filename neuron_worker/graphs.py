@@ -1,0 +1,245 @@
+"""One forward pass as the engine runs it: the shapes its graphs take, the graphs, warm-up, and
+the count of graphs compiled after warm-up (which must stay 0).
+
+The engine describes a pass as rows of tokens (host arrays padded to `shape(...)`); the runner
+puts them on the device and runs the model's `step_logits`, which returns each row's logits.
+Two shape policies:
+
+* **Buckets** (XLA, where every distinct shape is a graph): rows, tokens per row and the KV length
+  are each padded to a bucket; every (rows, tokens, kv) bucket is one graph, all traced at warm-up.
+* **Dynamic** (`torch.compile` on CPU/CUDA, and eager): two graphs in all. `decode` takes one token
+  per row; `multi` takes several (prefill, jump-forward). Rows (2..max), tokens per row (2..max)
+  and the KV length (2..max) are symbolic, so no request shape can need a new graph. Passes are
+  padded to 2 rows at least: a 1-row decode gets a padding row; a 1-row multi-token pass is split
+  into two half-rows on the same cache slot (the second attends the first's keys, written earlier
+  in the same layer), which costs nothing. Symbolic sizes start at 2 because torch specializes
+  sizes 0 and 1.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from neuron_worker.backends import Backend
+from neuron_worker.scheduler import bucket_for, forward_shapes
+
+log = logging.getLogger(__name__)
+
+# KV lengths are rounded up to this many positions (aligned attention reads, fewer distinct
+# shapes for the bucketed policy's neighbours).
+KV_ALIGN = 64
+
+
+class StepModel(Protocol):
+    """What the runner needs of a model (`neuron_worker.model.Transformer`, or a stand-in)."""
+
+    config: Any  # .vocab_size (logits dimension), .max_seq_len, .name
+
+    def setup_caches(self, max_batch: int, max_seq: int) -> None: ...
+
+    def step_logits(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        cache_slots: Tensor,
+        kv_positions: Tensor,
+        last: Tensor,
+    ) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A forward pass as host arrays, already padded: tokens/positions int64 [rows, tokens]
+    (position -1 = padding), slots int64 [rows], last int64 [rows] (index of the token whose
+    logits the row returns), kv_len."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    last: np.ndarray
+    kv_len: int
+
+
+class ForwardRunner:
+    """Shapes and graphs of the engine's forward passes (module docstring)."""
+
+    def __init__(
+        self,
+        model: StepModel,
+        backend: Backend,
+        *,
+        max_rows: int,
+        max_seq: int,
+        pad_slot: int,
+        batch_buckets: Sequence[int] = (),
+        token_buckets: Sequence[int] = (),
+        seq_buckets: Sequence[int] = (),
+    ) -> None:
+        """Buckets given: the bucket policy (all three must be); none: dynamic shapes."""
+        self.model = model
+        self.backend = backend
+        self.max_rows = max_rows
+        self.max_seq = max_seq
+        self.pad_slot = pad_slot
+        self.bucketed = bool(batch_buckets)
+        self.batch_buckets = list(batch_buckets)
+        self.token_buckets = list(token_buckets)
+        self.seq_buckets = list(seq_buckets)
+        self.dynamic = backend.compile_enabled and not self.bucketed
+        # One compiled function; its decode (1 token per row) and multi-token graphs differ in
+        # the token dimension, static 1 in one and symbolic in the other.
+        self._step = model.step_logits
+        if backend.compile_enabled:
+            self._step = backend.compile(model.step_logits, name="step", dynamic=self.dynamic)
+        self._kv: Tensor | None = None
+
+    # ------------------------------------------------------------------ shapes
+    def shape(self, rows: int, tokens: int, end: int) -> tuple[int, int, int]:
+        """(rows, tokens per row, kv_len) of a pass of `rows` rows of at most `tokens` tokens
+        whose last position is `end - 1`."""
+        if self.bucketed:
+            rows_p = bucket_for(self.batch_buckets, rows)
+            tokens_p = bucket_for(self.token_buckets, tokens)
+            return rows_p, tokens_p, bucket_for(self.seq_buckets, end)
+        kv = min(-(-end // KV_ALIGN) * KV_ALIGN, self.max_seq)
+        if tokens > 1 and rows == 1:
+            return 1, tokens, max(kv, 2)  # split into two half-rows by `run`
+        return max(rows, 2), tokens, max(kv, 2)
+
+    # ------------------------------------------------------------------ running
+    def run(self, p: Pass) -> Tensor:
+        """Device thread: logits [rows, vocab] float32 for the rows of `p` (padding rows:
+        garbage). A split single row returns one row."""
+        split = not self.bucketed and p.tokens.shape[0] == 1 and p.tokens.shape[1] > 1
+        q = _split_row(p) if split else p
+        backend = self.backend
+        with backend.inference_mode():
+            args = (
+                backend.to_device(torch.from_numpy(q.tokens)),
+                backend.to_device(torch.from_numpy(q.positions)),
+                backend.to_device(torch.from_numpy(q.slots)),
+                self._kv_positions(q.kv_len),
+                backend.to_device(torch.from_numpy(q.last)),
+            )
+            multi = q.tokens.shape[1] > 1
+            if self.dynamic:
+                _mark_dynamic(args, multi, self.max_rows, self.max_seq)
+            logits = self._step(*args)
+            backend.mark_step()
+            backend.sync()
+        if split and int(p.last[0]) >= q.tokens.shape[1]:
+            # The row's logits come from the half that holds its last token: put them first
+            # (the other row is padding, so every pass still returns at least 2 rows).
+            return logits.flip(0)
+        return logits
+
+    def logits_rows(self) -> list[int]:
+        """Every row count `run` returns (what the sampler must take)."""
+        if self.bucketed:
+            return list(self.batch_buckets)
+        return sorted({2, max(2, self.max_rows)})
+
+    def _kv_positions(self, kv_len: int) -> Tensor:
+        if self._kv is None:
+            self._kv = self.backend.to_device(torch.arange(self.max_seq, dtype=torch.int64))
+        return self._kv[:kv_len]
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup(self, on_graph: Callable[[str], None]) -> int:
+        """Device thread: run every graph once on padding inputs (the pad slot's scratch
+        position); returns how many passes ran."""
+        count = 0
+        for rows, tokens, kv in self._warmup_shapes():
+            pos = np.full((rows, tokens), -1, dtype=np.int64)
+            slots = np.full(rows, self.pad_slot, dtype=np.int64)
+            self.run(
+                Pass(
+                    np.zeros((rows, tokens), dtype=np.int64),
+                    pos,
+                    slots,
+                    np.zeros(rows, np.int64),
+                    kv,
+                )
+            )
+            on_graph(f"forward rows={rows} tokens={tokens} kv_len={kv}")
+            count += 1
+        return count
+
+    def _warmup_shapes(self) -> list[tuple[int, int, int]]:
+        if self.bucketed:
+            return forward_shapes(self.batch_buckets, self.token_buckets, self.seq_buckets)
+        # Both ends of every symbolic range: the graphs must cover them without recompiling.
+        small, big = max(2, KV_ALIGN), self.max_seq
+        rows = max(2, self.max_rows)
+        return [
+            (2, 1, small),
+            (rows, 1, big),
+            (2, 2, small),
+            (rows, min(64, big), big),
+        ]
+
+
+def _split_row(p: Pass) -> Pass:
+    """One row of T tokens as two rows of ceil(T/2) tokens on the same cache slot."""
+    t = p.tokens.shape[1]
+    h = (t + 1) // 2
+    tokens = np.zeros((2, h), dtype=np.int64)
+    positions = np.full((2, h), -1, dtype=np.int64)
+    tokens[0] = p.tokens[0, :h]
+    positions[0] = p.positions[0, :h]
+    tokens[1, : t - h] = p.tokens[0, h:]
+    positions[1, : t - h] = p.positions[0, h:]
+    last = int(p.last[0])
+    lasts = np.array([min(last, h - 1), max(last - h, 0)], dtype=np.int64)
+    return Pass(tokens, positions, np.repeat(p.slots[:1], 2), lasts, p.kv_len)
+
+
+def _mark_dynamic(args: tuple[Tensor, ...], multi: bool, max_rows: int, max_seq: int) -> None:
+    tokens, pos, slots, kv, last = args
+    rows_max = max(2, max_rows)
+    for t in (tokens, pos):
+        torch._dynamo.mark_dynamic(t, 0, min=2, max=rows_max)
+        if multi:
+            torch._dynamo.mark_dynamic(t, 1, min=2, max=max_seq)
+    for t in (slots, last):
+        torch._dynamo.mark_dynamic(t, 0, min=2, max=rows_max)
+    torch._dynamo.mark_dynamic(kv, 0, min=2, max=max_seq)
+
+
+class CompileCounter:
+    """Graphs compiled by torch.compile in this process; after `ready()`, each new one is a
+    compile while serving (a request waited for it) and is counted in `after_ready`."""
+
+    def __init__(self, on_compile: Callable[[int], None] | None = None) -> None:
+        self._on_compile = on_compile
+        self._ready_at: int | None = None
+        self.after_ready = 0
+
+    @staticmethod
+    def graphs() -> int:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+
+    def ready(self) -> None:
+        self._ready_at = self.graphs()
+
+    def check(self) -> None:
+        """Call after each step: counts graphs compiled since the last check."""
+        if self._ready_at is None:
+            return
+        now = self.graphs()
+        if now > self._ready_at:
+            new = now - self._ready_at
+            self.after_ready += new
+            self._ready_at = now
+            log.warning("%d graph(s) compiled while serving (a request waited for it)", new)
+            if self._on_compile is not None:
+                self._on_compile(new)

@@ -1,0 +1,166 @@
+"""Linear layers for serving on a CPU: prepacked matrix-engine weights and weight-only int4/int8.
+
+A decode step reads every weight once for a handful of tokens, so on a CPU its time is the weight
+bytes over the memory bandwidth: 4-bit weights are read 4x faster than bf16 ones. Prefill is the
+opposite (hundreds of tokens per weight read: compute-bound), where dequantizing kernels lose to
+bf16 matrix engines (AMX, through oneDNN). So a `ServingLinear` keeps both forms: the quantized
+weight for decode passes (one token per row, at most `small_rows` rows) and the dense one for the
+rest. The choice depends on the input's shape only: the token dimension is static (1) in a decode
+graph and at least 2 in a multi-token one, so compiled graphs never guard on it.
+
+Dense bf16 weights are prepacked once into oneDNN's blocked layout (what inductor's freezing would
+do, which it cannot cache: a frozen graph is recompiled at every start). The packed weight stays
+outside the graph, behind the `maskwire::packed_linear` op and an integer handle, so compiled graphs
+keep the weights as ordinary inputs and load from inductor's on-disk cache.
+
+int4 is groups of 32 along the input dimension with a scale and a minimum each (`w = scale * q +
+min`, q in 0..15): exactly llama.cpp's Q4_1. Weights that come from a Q4_1 GGUF (the embedded
+SmolLM2's linear layers) are taken as stored, so the 4-bit model is the checkpoint itself; other
+weights are quantized per group from their min and max. int8 is one scale per output channel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+GROUP = 32
+QUANTIZE_SCHEMES = ("none", "int4", "int8")
+
+# Packed oneDNN weights by handle (a process-wide table: handles are plain integers in graphs).
+_PACKED: list[Tensor] = []
+
+
+@torch.library.custom_op("maskwire::packed_linear", mutates_args=())
+def packed_linear(x: Tensor, handle: Tensor, out_features: int) -> Tensor:
+    """`x @ W^T` with W the oneDNN-prepacked weight registered under `handle` (0-d int64)."""
+    shape = x.shape
+    y = torch.ops.mkldnn._linear_pointwise(
+        x.reshape(-1, shape[-1]), _PACKED[int(handle)], None, "none", [], ""
+    )
+    return y.reshape(*shape[:-1], out_features)
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x: Tensor, handle: Tensor, out_features: int) -> Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def can_pack(weight: Tensor) -> bool:
+    """Whether oneDNN prepacking applies: bf16 weights on a CPU with oneDNN (fp32 matmuls run
+    as well through MKL unpacked)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """A [N, K] weight as `scale * q + low` per group of 32 along K."""
+
+    q: Tensor  # uint8 [N, K], 0..15
+    scale: Tensor  # float32 [N, K / 32]
+    low: Tensor  # float32 [N, K / 32]
+
+    @classmethod
+    def from_float(cls, w: Tensor) -> Int4Weight:
+        """Quantize per group from its minimum and maximum (round to nearest)."""
+        n, k = w.shape
+        if k % GROUP:
+            raise ValueError(f"int4 needs the input dimension ({k}) to be a multiple of {GROUP}")
+        g = w.detach().float().reshape(n, k // GROUP, GROUP)
+        low = g.amin(-1)
+        scale = ((g.amax(-1) - low) / 15).clamp(min=1e-12)
+        q = ((g - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15)
+        return cls(q.to(torch.uint8).reshape(n, k), scale, low)
+
+    @classmethod
+    def cat(cls, parts: Sequence[Int4Weight]) -> Int4Weight:
+        """Row-wise concatenation (fused q/k/v, gate/up)."""
+        return cls(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.low for p in parts]),
+        )
+
+    def rows(self, index: Tensor) -> Int4Weight:
+        """The rows `index` in that order (llama.cpp's Q/K permutation undone)."""
+        return Int4Weight(self.q[index], self.scale[index], self.low[index])
+
+    def dequantize(self) -> Tensor:
+        n, k = self.q.shape
+        g = self.q.float().reshape(n, k // GROUP, GROUP)
+        return (g * self.scale.unsqueeze(-1) + self.low.unsqueeze(-1)).reshape(n, k)
+
+
+class ServingLinear(nn.Module):
+    """A linear layer (optional bias) with the fastest kernel per pass size (module docstring)."""
+
+    weight: Tensor
+    bias: Tensor | None
+    handle: Tensor | None
+
+    def __init__(
+        self,
+        weight: Tensor,
+        bias: Tensor | None,
+        *,
+        quantize: str = "none",
+        small_rows: int = 0,
+        int4: Int4Weight | None = None,
+        pack: bool = True,
+    ) -> None:
+        super().__init__()
+        if quantize not in QUANTIZE_SCHEMES:
+            raise ValueError(f"unknown quantization {quantize!r}")
+        self.quantize = quantize
+        self.small_rows = small_rows if quantize != "none" else 0
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        handle = None
+        if pack and can_pack(weight):
+            _PACKED.append(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+            handle = torch.tensor(len(_PACKED) - 1)
+        self.register_buffer("handle", handle, persistent=False)
+        if quantize == "int4":
+            source = int4 if int4 is not None else Int4Weight.from_float(weight)
+            # The kernel computes (q - 8) * scale + zero: zero = low + 8 * scale.
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                source.q.to(torch.int32).contiguous(), 1
+            )
+            zeros = source.low + 8 * source.scale
+            sz = torch.stack([source.scale.t(), zeros.t()], dim=-1).to(weight.dtype).contiguous()
+            self.register_buffer("q_weight", packed, persistent=False)
+            self.register_buffer("q_scales", sz, persistent=False)
+        elif quantize == "int8":
+            w = weight.detach().float()
+            scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+            q8 = (w / scales.unsqueeze(1)).round().clamp(-128, 127).to(torch.int8)
+            self.register_buffer("q_weight", q8.contiguous(), persistent=False)
+            self.register_buffer("q_scales", scales.to(weight.dtype), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [B, T, in_features] (or [N, in_features])."""
+        if self.small_rows and x.dim() == 3 and x.shape[1] == 1 and x.shape[0] <= self.small_rows:
+            rows = x.shape[0]
+            y = self._quantized(x.reshape(rows, self.in_features))
+            if self.bias is not None:
+                y = y + self.bias
+            return y.reshape(rows, 1, self.out_features)
+        if self.handle is not None:
+            y = packed_linear(x, self.handle, self.out_features)
+            return y if self.bias is None else y + self.bias
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def _quantized(self, x: Tensor) -> Tensor:
+        if self.quantize == "int4":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.q_weight, GROUP, self.q_scales
+            )
+        return torch.ops.aten._weight_int8pack_mm(x, self.q_weight, self.q_scales)

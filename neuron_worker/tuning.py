@@ -1,0 +1,136 @@
+"""The worker's `auto` settings, decided once at start from the device and the checkpoint.
+
+The defaults are the fast configuration (what `maskwire up` runs and the benchmarks measure):
+compiled graphs, bf16 where the CPU computes it natively (fp32 elsewhere), 4-bit weights for
+decode when the checkpoint's weights are 4-bit already (a Q4_1 GGUF: the quantized model is then
+the checkpoint itself), and a compile cache that survives restarts. Every choice is logged, and
+each has a flag that overrides it (eager and fp32 stay available for debugging and for the tests
+that compare with transformers).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch._functorch.config
+import torch._inductor.config
+
+from maskwire.gguf_file import Q4_1, GGUFFile
+from maskwire.tokenizer import TokenizerLoadError, resolve_spec
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Tuning:
+    dtype: torch.dtype
+    compile: bool
+    quantize: str  # none | int4 | int8
+    warmup: bool
+    compile_cache: Path | None
+
+    def describe(self) -> str:
+        return (
+            f"dtype {str(self.dtype).removeprefix('torch.')}, "
+            f"{'compiled' if self.compile else 'eager'}, quantize {self.quantize}, "
+            f"compile cache {self.compile_cache or 'off'}"
+        )
+
+
+def native_bf16(device: str) -> bool:
+    """Whether bf16 matmuls run natively (CUDA; a CPU with AVX512-BF16 or AMX, which oneDNN
+    reports): elsewhere bf16 is emulated and slower than fp32."""
+    if device == "cuda":
+        return True
+    if device != "cpu":
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def q4_checkpoint(spec: str) -> bool:
+    """Whether SPEC is a GGUF whose projection weights are stored as Q4_1."""
+    try:
+        path = resolve_spec(spec)
+    except TokenizerLoadError:
+        return False
+    if path.suffix != ".gguf":
+        return False
+    try:
+        tensors = GGUFFile(path).tensors
+    except (ValueError, OSError):
+        return False
+    ffn = [t for name, t in tensors.items() if name.endswith("ffn_down.weight")]
+    return bool(ffn) and all(t.ggml_type == Q4_1 for t in ffn)
+
+
+def default_compile_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "maskwire" / "compile"
+
+
+def resolve(
+    *,
+    device: str,
+    spec: str,
+    dtype: str,
+    compile: bool | None,
+    quantize: str,
+    warmup: bool | None,
+    compile_cache: str | None,
+) -> Tuning:
+    """Turn the flags (`auto` / None = decide here) into settings."""
+    if dtype == "auto":
+        resolved_dtype = torch.bfloat16 if native_bf16(device) else torch.float32
+    else:
+        resolved_dtype = DTYPES[dtype]
+    compiled = compile if compile is not None else device in ("cpu", "cuda")
+    if quantize == "auto":
+        quantize = (
+            "int4"
+            if device == "cpu" and resolved_dtype == torch.bfloat16 and q4_checkpoint(spec)
+            else "none"
+        )
+    elif quantize != "none" and device != "cpu":
+        raise SystemExit(f"--quantize {quantize} needs --device cpu (its kernels are CPU ones)")
+    if quantize != "none" and resolved_dtype != torch.bfloat16:
+        raise SystemExit(f"--quantize {quantize} needs bfloat16 activations (--dtype bfloat16)")
+    cache: Path | None = None
+    if compiled and compile_cache != "":
+        cache = Path(compile_cache) if compile_cache else default_compile_cache()
+    return Tuning(
+        dtype=resolved_dtype,
+        compile=compiled,
+        quantize=quantize,
+        # Every graph a request can hit is built before the worker reports ready.
+        warmup=warmup if warmup is not None else (compiled or device == "xla"),
+        compile_cache=cache,
+    )
+
+
+def use_compile_cache(path: Path | None) -> Path | None:
+    """Point inductor's on-disk caches (FX graphs, AOT autograd, generated kernels) at `path`
+    so a restart loads the compiled graphs instead of compiling them. An unusable directory is
+    a warning, not a failure: the worker then compiles into a temporary cache."""
+    if path is None:
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".writable"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        log.warning("compile cache %s is not usable (%s): compiling without it", path, e)
+        return None
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path / "inductor")
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+    return path

@@ -1,0 +1,67 @@
+"""The forward runner's shape policies: padding, the split of a lone multi-token row, buckets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from neuron_worker.backends import create_backend
+from neuron_worker.graphs import ForwardRunner, Pass
+from neuron_worker.model import Transformer, build_model
+from tests.unit.model.tiny import TINY, random_weights
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    m = build_model(TINY, random_weights(TINY))
+    m.setup_caches(5, 64)
+    return m
+
+
+def runner(model: Transformer, bucketed: bool) -> ForwardRunner:
+    kw = {}
+    if bucketed:
+        kw = {"batch_buckets": (1, 2, 4), "token_buckets": (1, 4, 8, 16), "seq_buckets": (32, 64)}
+    return ForwardRunner(model, create_backend("cpu"), max_rows=4, max_seq=64, pad_slot=4, **kw)
+
+
+def one_row(r: ForwardRunner, tokens: list[int], start: int, slot: int, end: int) -> torch.Tensor:
+    n, t, kv = r.shape(1, len(tokens), end)
+    tok = np.zeros((n, t), np.int64)
+    pos = np.full((n, t), -1, np.int64)
+    slots = np.full(n, 4, np.int64)
+    tok[0, : len(tokens)] = tokens
+    pos[0, : len(tokens)] = np.arange(start, start + len(tokens))
+    slots[0] = slot
+    last = np.zeros(n, np.int64)
+    last[0] = len(tokens) - 1
+    return r.run(Pass(tok, pos, slots, last, kv))[0]
+
+
+@pytest.mark.parametrize("length", [2, 5, 8])
+def test_a_lone_prompt_split_in_two_rows_gives_the_same_logits(
+    model: Transformer, length: int
+) -> None:
+    prompt = [3, 17, 5, 9, 11, 2, 7, 13][:length]
+    dynamic = runner(model, bucketed=False)
+    assert dynamic.shape(1, length, length) == (1, length, 64)
+    with torch.inference_mode():
+        split = one_row(dynamic, prompt, 0, slot=0, end=length)
+        whole = one_row(runner(model, bucketed=True), prompt, 0, slot=1, end=length)
+        # and the next token, decoded on top of each slot's cache
+        nxt_split = one_row(dynamic, [4], length, slot=0, end=length + 1)
+        nxt_whole = one_row(runner(model, bucketed=True), [4], length, slot=1, end=length + 1)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nxt_split, nxt_whole, rtol=1e-5, atol=1e-5)
+
+
+def test_dynamic_shapes_pad_to_two_rows_and_align_kv(model: Transformer) -> None:
+    r = runner(model, bucketed=False)
+    assert r.shape(1, 1, 10) == (2, 1, 64)
+    assert r.shape(3, 1, 65) == (3, 1, 64)  # capped at max_seq
+    assert r.shape(3, 4, 30) == (3, 4, 64)
+    assert r.logits_rows() == [2, 4]
+    b = runner(model, bucketed=True)
+    assert b.shape(3, 3, 33) == (4, 4, 64)
+    assert b.logits_rows() == [1, 2, 4]
