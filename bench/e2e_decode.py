@@ -46,8 +46,9 @@ from maskwire.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 from maskwire.v1 import common_pb2, worker_pb2  # noqa: E402
 from neuron_worker.backends import create_backend  # noqa: E402
 from neuron_worker.detokenize import Detokenizer  # noqa: E402
-from neuron_worker.engine import Engine, EngineConfig, ModelLike  # noqa: E402
+from neuron_worker.engine import Engine, EngineConfig  # noqa: E402
 from neuron_worker.grammar_client import GrammarClient  # noqa: E402
+from neuron_worker.graphs import StepModel  # noqa: E402
 from neuron_worker.masks import scatter_mask_rows  # noqa: E402
 from neuron_worker.metrics import Metrics  # noqa: E402
 from neuron_worker.request import Request, Sampling  # noqa: E402
@@ -129,7 +130,7 @@ class RunResult:
 
 
 async def run_variant(
-    model: ModelLike,
+    model: StepModel,
     tok: Tokenizer,
     sampler: Sampler,
     grammar_addr: str,
@@ -247,7 +248,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
     real = load_model("default")
     real.eval()
-    models: dict[str, ModelLike] = {
+    models: dict[str, StepModel] = {
         "smollm2": real,  # type: ignore[dict-item]
         "standin_5ms": StandInForward(int(real.config.vocab_size), 0.005),
     }
@@ -265,7 +266,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 async def bench_level(
     model_name: str,
-    model: ModelLike,
+    model: StepModel,
     tok: Tokenizer,
     grammar_addr: str,
     conc: int,

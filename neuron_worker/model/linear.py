@@ -125,7 +125,8 @@ class ServingLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         handle = None
         if pack and can_pack(weight):
-            _PACKED.append(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            _PACKED.append(self.packed)
             handle = torch.tensor(len(_PACKED) - 1)
         self.register_buffer("handle", handle, persistent=False)
         if quantize == "int4":
@@ -154,7 +155,12 @@ class ServingLinear(nn.Module):
                 y = y + self.bias
             return y.reshape(rows, 1, self.out_features)
         if self.handle is not None:
-            y = packed_linear(x, self.handle, self.out_features)
+            if torch.compiler.is_compiling():
+                y = packed_linear(x, self.handle, self.out_features)
+            else:  # eager: the kernel itself, without the custom op's Python dispatch
+                y = torch.ops.mkldnn._linear_pointwise(
+                    x.reshape(-1, self.in_features), self.packed, None, "none", [], ""
+                ).reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         return nn.functional.linear(x, self.weight, self.bias)
 
