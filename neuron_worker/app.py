@@ -22,8 +22,8 @@ from neuron_worker.grammar_client import GrammarClient
 from neuron_worker.metrics import Metrics
 from neuron_worker.scheduler import parse_buckets, pow2_buckets
 from neuron_worker.servicer import WorkerServicer
+from neuron_worker.tuning import cache_use, use_compile_cache
 from neuron_worker.tuning import resolve as resolve_tuning
-from neuron_worker.tuning import use_compile_cache
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,13 @@ async def serve(
     if tuning.warmup:
         await engine.warmup()
         if cache is not None:
-            log.info("compiled graphs are cached in %s", cache)
+            loaded, compiled = cache_use()
+            log.info(
+                "compile cache %s: %d graphs loaded from it, %d compiled into it",
+                cache,
+                loaded,
+                compiled,
+            )
     engine.serving()
     servicer = WorkerServicer(
         engine,

@@ -134,3 +134,12 @@ def use_compile_cache(path: Path | None) -> Path | None:
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
     return path
+
+
+def cache_use() -> tuple[int, int]:
+    """(graphs loaded from the compile cache, graphs compiled) in this process so far: inductor's
+    FX graph cache counters."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return int(inductor["fxgraph_cache_hit"]), int(inductor["fxgraph_cache_miss"])

@@ -1,81 +1,167 @@
-"""A real worker started with compiled graphs (`--compile --warmup`): torch.compile'd forward and
-sampler, every graph built before serving, on the smallest buckets (one batch row, a 64-token
-context, token buckets 1 and 64: two forward graphs and the three single-row sampler graphs).
+"""A real worker in its default, fast configuration (compiled graphs, bf16 where native, int4
+decode kernels from the Q4_1 checkpoint), with its own compile cache: every graph is built
+before the worker reports ready, a mixed load compiles nothing more, and a restart loads every
+graph from the cache instead of compiling it.
 
-Slow: compiling the forward graphs of the 30-layer model takes minutes on a cold 2-core host.
+Slow: the cold start compiles the 30-layer model's two graphs and the sampler (minutes on a
+2-core host).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
 
 import jsonschema
 import pytest
 
 from maskwire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from tests.integration.worker.conftest import CHOICES, REGEX, SCHEMAS, channel, chat, generate
-from tests.support.processes import ServiceProcess, grammar_and_worker
+from neuron_worker.tuning import native_bf16
+from tests.integration.worker.conftest import (
+    CHOICES,
+    REGEX,
+    SCHEMAS,
+    Result,
+    channel,
+    chat,
+    generate,
+)
+from tests.support.metrics import metric
+from tests.support.processes import ServiceProcess, free_port, running
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-SMALLEST = [
-    *("--compile", "--warmup", "--max-batch-size", "1", "--batch-buckets", "1"),
-    *("--max-seq-len", "64", "--seq-buckets", "64", "--token-buckets", "1"),
-]
+# The defaults, spelled out: test workers otherwise get the reference flags (eager fp32).
+FAST = [*("--compile", "--dtype", "auto", "--quantize", "auto")]
+LIMITS = [*("--max-batch-size", "4", "--max-seq-len", "512")]
+COLD_START_S = 1200.0  # a cold compile on a loaded 2-core host
+SETTINGS = re.compile(r"compile cache \S+: (\d+) graphs loaded from it, (\d+) compiled into it")
+
+
+def expected_settings() -> str:
+    if native_bf16("cpu"):
+        return "worker settings: dtype bfloat16, compiled, quantize int4"
+    return "worker settings: dtype float32, compiled, quantize none"
+
+
+class Stack:
+    def __init__(self, grammar: ServiceProcess, cache: Path) -> None:
+        self.grammar = grammar
+        self.cache = cache
+
+    def worker(self, metrics_port: int, timeout_s: float) -> AbstractContextManager[ServiceProcess]:
+        args = [
+            *("--model", "default", "--grammar-service", self.grammar.address),
+            *("--compile-cache", str(self.cache), "--metrics-port", str(metrics_port)),
+            *FAST,
+            *LIMITS,
+        ]
+        return running("worker", args, timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="module")
-def worker() -> Iterator[ServiceProcess]:
-    with grammar_and_worker(SMALLEST) as (_, w):
-        log = w.log_text()
-        assert "compiling forward with torch.compile" in log and "warming up the sampler" in log
-        yield w
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running("grammar-service", ["--tokenizer", "default"]) as gs:
+        yield Stack(gs, tmp_path_factory.mktemp("compile-cache"))
 
 
-async def test_unconstrained_greedy(worker: ServiceProcess) -> None:
-    async with channel(worker.address) as ch:
-        r = await generate(worker_pb2_grpc.WorkerStub(ch), "The capital of France is", max_tokens=3)
-    assert r.text.startswith(" Paris"), r.text
-    assert r.final.finish_reason == worker_pb2.FINISH_REASON_LENGTH
+@pytest.fixture(scope="module")
+def cold(stack: Stack) -> Iterator[tuple[ServiceProcess, int]]:
+    port = free_port()
+    with stack.worker(port, COLD_START_S) as w:
+        yield w, port
 
 
-@pytest.mark.parametrize(
-    "sampling",
-    [
-        {"temperature": 0.0},
-        {"temperature": 1.0, "seed": 7},  # the sample graph
-        {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 7},  # the filter graph
-    ],
-    ids=["greedy", "sample", "filter"],
-)
-async def test_constrained_outputs_are_valid(
-    worker: ServiceProcess, sampling: dict[str, float]
+def cache_use(worker: ServiceProcess) -> tuple[int, int]:
+    found = SETTINGS.search(worker.log_text())
+    assert found, worker.log_text()[-3000:]
+    return int(found.group(1)), int(found.group(2))
+
+
+def test_the_default_configuration_compiles_everything_before_ready(
+    cold: tuple[ServiceProcess, int],
 ) -> None:
-    import re
+    worker, _ = cold
+    assert expected_settings() in worker.log_text()
+    loaded, compiled = cache_use(worker)
+    assert loaded == 0 and compiled > 0
 
+
+async def mixed_load(address: str) -> list[Result]:
+    """More requests than batch rows: prompts of many lengths, one near the context limit,
+    constrained and not, greedy and sampled, jump-forward (the choice and the schema's keys)."""
     schema = SCHEMAS["enum_bool"]
-    async with channel(worker.address) as ch:
+    long_prompt = "Count with me: " + " ".join(str(i) for i in range(120))
+    async with channel(address) as ch:
         stub = worker_pb2_grpc.WorkerStub(ch)
-        choice = await generate(
-            stub,
-            chat("Capital of France?"),
-            common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=CHOICES)),
-            max_tokens=8,
-            **sampling,
+        return list(
+            await asyncio.gather(
+                generate(stub, "The capital of France is", max_tokens=3),
+                generate(stub, long_prompt, max_tokens=12),
+                generate(
+                    stub,
+                    chat("Capital of France?"),
+                    common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=CHOICES)),
+                    max_tokens=8,
+                ),
+                generate(
+                    stub,
+                    chat("A phone number?"),
+                    common_pb2.Constraint(regex=REGEX),
+                    temperature=1.0,
+                    seed=7,
+                ),
+                generate(
+                    stub,
+                    chat("A color as JSON."),
+                    common_pb2.Constraint(json_schema=json.dumps(schema)),
+                    max_tokens=30,
+                    temperature=0.8,
+                    top_p=0.9,
+                    top_k=20,
+                    seed=7,
+                ),
+                generate(stub, chat("Say hello."), max_tokens=20, temperature=0.7, seed=3),
+            )
         )
-        regex = await generate(
-            stub, chat("A phone number?"), common_pb2.Constraint(regex=REGEX), **sampling
-        )
-        js = await generate(
-            stub,
-            chat("A color as JSON."),
-            common_pb2.Constraint(json_schema=json.dumps(schema)),
-            max_tokens=30,
-            **sampling,
-        )
+
+
+def check(results: list[Result]) -> None:
+    paris, long, choice, regex, js, _ = results
+    assert paris.text.startswith(" Paris"), paris.text
+    assert len(long.ids) == 12
     for r in (choice, regex, js):
         assert r.final.finish_reason == worker_pb2.FINISH_REASON_STOP, (r.final, r.text)
     assert choice.text in CHOICES
     assert re.fullmatch(REGEX, regex.text), regex.text
-    jsonschema.validate(json.loads(js.text), schema)
+    jsonschema.validate(json.loads(js.text), SCHEMAS["enum_bool"])
+
+
+async def test_a_mixed_load_is_served_without_compiling(
+    cold: tuple[ServiceProcess, int],
+) -> None:
+    worker, port = cold
+    for _ in range(2):
+        check(await mixed_load(worker.address))
+    assert metric(port, "maskwire_worker_compiles_while_serving_total") == 0
+    assert "compiled while serving" not in worker.log_text()
+
+
+async def test_a_restart_loads_every_graph_from_the_cache(
+    stack: Stack, cold: tuple[ServiceProcess, int]
+) -> None:
+    first, _ = cold
+    port = free_port()
+    with stack.worker(port, COLD_START_S) as again:
+        loaded, compiled = cache_use(again)
+        assert compiled == 0 and loaded == sum(cache_use(first))
+        results = await mixed_load(again.address)
+        check(results)
+        assert metric(port, "maskwire_worker_compiles_while_serving_total") == 0
+    # the same kernels: the greedy answers are the cold worker's
+    before = await mixed_load(first.address)
+    assert [r.text for r in results[:3]] == [r.text for r in before[:3]]

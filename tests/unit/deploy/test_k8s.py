@@ -185,3 +185,10 @@ def test_device_per_overlay(rendered) -> None:
         assert "aws.amazon.com/neuron" not in limits
         assert args.device == "cpu"
         assert c["image"].startswith("maskwire-worker:")
+        # compiled graphs outlive a container restart: the default cache is on a volume
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        assert env["XDG_CACHE_HOME"] in mounts
+        volumes = {
+            v["name"] for v in _deploy(objs, "worker")["spec"]["template"]["spec"]["volumes"]
+        }
+        assert mounts[env["XDG_CACHE_HOME"]] in volumes

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from neuron_worker.backends import create_backend
-from neuron_worker.graphs import ForwardRunner, Pass
+from neuron_worker.graphs import CompileCounter, ForwardRunner, Pass
 from neuron_worker.model import Transformer, build_model
 from tests.unit.model.tiny import TINY, random_weights
 
@@ -65,3 +65,43 @@ def test_dynamic_shapes_pad_to_two_rows_and_align_kv(model: Transformer) -> None
     b = runner(model, bucketed=True)
     assert b.shape(3, 3, 33) == (4, 4, 64)
     assert b.logits_rows() == [1, 2, 4]
+
+
+def test_compiled_graphs_match_eager_and_no_shape_compiles_after_warm_up() -> None:
+    """The two dynamic graphs, built at warm-up, serve every pass shape (rows, tokens per row,
+    KV length) without compiling again, with the eager model's logits (fp32)."""
+    torch._dynamo.reset()
+    weights = random_weights(TINY)
+    eager_model, compiled_model = build_model(TINY, weights), build_model(TINY, weights)
+    for m in (eager_model, compiled_model):
+        m.setup_caches(5, 256)
+    make = lambda m, compile: ForwardRunner(  # noqa: E731
+        m, create_backend("cpu", compile=compile), max_rows=4, max_seq=256, pad_slot=4
+    )
+    eager, compiled = make(eager_model, False), make(compiled_model, True)
+    counter = CompileCounter()
+    compiled.warmup(lambda _: None)
+    counter.ready()
+    rng = np.random.default_rng(0)
+    lengths = [0, 0, 0, 0]  # tokens in each slot's cache so far
+    # prefills of odd sizes, a lone prompt (split), decode at 1..4 rows, jump-forward bursts
+    for rows, tokens in [(1, 7), (3, 5), (2, 1), (4, 1), (1, 1), (3, 1), (2, 9), (4, 3), (1, 37)]:
+        slots = rng.permutation(4)[:rows]
+        end = max(lengths[s] for s in slots) + tokens
+        n, t, kv = compiled.shape(rows, tokens, end)
+        tok = np.zeros((n, t), np.int64)
+        pos = np.full((n, t), -1, np.int64)
+        slot = np.full(n, 4, np.int64)
+        last = np.zeros(n, np.int64)
+        for r, s in enumerate(slots):
+            tok[r, :tokens] = rng.integers(0, TINY.vocab_size, tokens)
+            pos[r, :tokens] = np.arange(lengths[s], lengths[s] + tokens)
+            slot[r] = s
+            last[r] = tokens - 1
+            lengths[s] += tokens
+        p = Pass(tok, pos, slot, last, kv)
+        with torch.inference_mode():
+            want, got = eager.run(p)[:rows], compiled.run(p)[:rows]
+        counter.check()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert counter.after_ready == 0

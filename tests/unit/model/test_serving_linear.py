@@ -1,0 +1,95 @@
+"""The worker's serving linear layers: the packed bf16 kernel, weight-only int4/int8 for decode
+passes, and int4 weights taken exactly from the embedded model's Q4_1 GGUF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from maskwire.tokenizer import resolve_spec
+from neuron_worker.model import build_model
+from neuron_worker.model.gguf_loader import gguf_int4_weights, load_gguf
+from neuron_worker.model.linear import GROUP, Int4Weight, ServingLinear, can_pack
+from tests.unit.model.tiny import TINY, random_weights
+
+BF16 = {"rtol": 2e-2, "atol": 2e-2}
+
+
+def weight(n: int = 96, k: int = 64, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.2
+
+
+def test_int4_round_trip_is_within_half_a_step_of_each_group() -> None:
+    w = weight()
+    q = Int4Weight.from_float(w)
+    assert q.q.dtype == torch.uint8 and int(q.q.max()) <= 15
+    err = (q.dequantize() - w).abs().reshape(96, 64 // GROUP, GROUP)
+    assert bool((err <= q.scale.unsqueeze(-1) / 2 + 1e-6).all())
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Int4Weight.from_float(torch.zeros(4, 40))
+
+
+@pytest.mark.skipif(not can_pack(weight().bfloat16()), reason="no oneDNN bf16 on this CPU")
+def test_packed_bf16_matches_a_plain_linear() -> None:
+    w, b = weight().bfloat16(), torch.randn(96).bfloat16()
+    layer = ServingLinear(w, b)
+    assert layer.handle is not None
+    x = torch.randn(3, 5, 64).bfloat16()
+    torch.testing.assert_close(layer(x), nn.functional.linear(x, w, b), **BF16)
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_decode_passes_use_the_quantized_weight_and_others_the_dense_one(scheme: str) -> None:
+    w = weight().bfloat16()
+    layer = ServingLinear(w, None, quantize=scheme, small_rows=4)
+    if scheme == "int4":
+        quantized = Int4Weight.from_float(w).dequantize().bfloat16()
+    else:
+        scales = w.float().abs().amax(1, keepdim=True) / 127
+        quantized = ((w.float() / scales).round().clamp(-128, 127) * scales).bfloat16()
+    decode = torch.randn(4, 1, 64).bfloat16()  # one token per row, rows <= small_rows
+    torch.testing.assert_close(layer(decode), nn.functional.linear(decode, quantized), **BF16)
+    # a multi-token pass, and a decode pass wider than small_rows: the dense weight
+    for x in (torch.randn(2, 3, 64).bfloat16(), torch.randn(5, 1, 64).bfloat16()):
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, w), **BF16)
+    # the two weights differ, so the checks above tell the paths apart
+    assert not torch.allclose(
+        nn.functional.linear(decode, quantized), nn.functional.linear(decode, w), atol=1e-3
+    )
+
+
+def test_the_embedded_models_int4_weights_are_its_q4_1_tensors_as_stored() -> None:
+    path = resolve_spec("default")
+    config, floats = load_gguf(path, "default")
+    exact = gguf_int4_weights(path, config)
+    name = "layers.0.attention.wq.weight"  # Q rows are permuted back like the float weights
+    assert {name, "layers.0.feed_forward.w2.weight"} <= exact.keys()
+    for key in (name, "layers.3.feed_forward.w2.weight"):
+        torch.testing.assert_close(exact[key].dequantize(), floats[key].float(), rtol=0, atol=1e-6)
+
+
+def test_a_serving_model_decodes_like_the_reference_model() -> None:
+    """bf16 activations with int4 decode kernels stay near fp32 on the same 4-bit weights."""
+    weights = {
+        k: Int4Weight.from_float(w).dequantize()
+        if ".attention.w" in k or "feed_forward" in k
+        else w
+        for k, w in random_weights(TINY).items()
+    }
+    ref = build_model(TINY, weights)
+    fast = build_model(TINY, weights, dtype=torch.bfloat16)
+    fast.use_serving_linears("int4", 4)
+    tokens = torch.tensor([[5, 7, 9, 11], [3, 2, 1, 0]])
+    for m in (ref, fast):
+        m.setup_caches(2, 16)
+    slots, kv = torch.tensor([0, 1]), torch.arange(16)
+    with torch.inference_mode():
+        pos = torch.arange(4).expand(2, 4)
+        for m in (ref, fast):
+            m.step_logits(tokens, pos, slots, kv, torch.tensor([3, 3]))
+        step = (torch.tensor([[4], [6]]), torch.tensor([[4], [4]]), slots, kv, torch.zeros(2))
+        want = ref.step_logits(*step)
+        got = fast.step_logits(*step)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
