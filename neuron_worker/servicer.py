@@ -19,6 +19,8 @@ from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
 from neuron_worker.detokenize import Detokenizer
 from neuron_worker.engine import Engine
+from neuron_worker.logprobs import TOP_WIDTH
+from neuron_worker.penalties import BIAS_WIDTH
 from neuron_worker.request import Request, Sampling
 
 log = logging.getLogger(__name__)
@@ -121,6 +123,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             stop=tuple(x for x in s.stop if x),
             stop_token_ids=frozenset(int(t) for t in s.stop_token_ids),
             ignore_eos=bool(s.ignore_eos),
+            presence_penalty=float(s.presence_penalty),
+            frequency_penalty=float(s.frequency_penalty),
+            repetition_penalty=float(s.repetition_penalty) or 1.0,
+            logit_bias={int(k): float(v) for k, v in s.logit_bias.items() if v},
+            logprobs=bool(s.logprobs),
+            top_logprobs=int(s.top_logprobs),
+            raw_logprobs=s.logprobs_mode == worker_pb2.LOGPROBS_MODE_RAW,
         )
         constraint = msg.constraint if msg.HasField("constraint") else None
         return Request(
@@ -199,6 +208,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             bad.append(("sampling.stop_token_ids", f"at most {vocab} ids"))
         elif any(t < 0 or t >= vocab for t in s.stop_token_ids):
             bad.append(("sampling.stop_token_ids", f"every id must be in [0, {vocab})"))
+        bad += _check_penalties(s, vocab)
         constraint = msg.constraint if msg.HasField("constraint") else None
         if constraint is not None and constraint.WhichOneof("kind") is None:
             bad.append(("constraint", "set exactly one kind (json_schema, regex, lark, ...)"))
@@ -235,3 +245,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             tokenizer=tok.fingerprint.to_proto(),
             max_batch_size=self.engine.config.max_batch,
         )
+
+
+def _in_range(value: float, low: float, high: float) -> bool:
+    return low <= value <= high and not math.isnan(value)
+
+
+def _check_penalties(s: worker_pb2.SamplingParams, vocab: int) -> list[FieldViolation]:
+    """Penalties, logit bias and logprobs of `SamplingParams`."""
+    bad: list[FieldViolation] = []
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not _in_range(getattr(s, name), -2.0, 2.0):
+            bad.append((f"sampling.{name}", "must be in [-2, 2]"))
+    if not _in_range(s.repetition_penalty, 0.0, 2.0):
+        bad.append(("sampling.repetition_penalty", "must be in (0, 2] (0 means 1: off)"))
+    if len(s.logit_bias) > BIAS_WIDTH:
+        bad.append(("sampling.logit_bias", f"at most {BIAS_WIDTH} entries"))
+    elif any(not 0 <= k < vocab for k in s.logit_bias):
+        bad.append(("sampling.logit_bias", f"token ids must be in [0, {vocab})"))
+    elif any(not _in_range(v, -100.0, 100.0) for v in s.logit_bias.values()):
+        bad.append(("sampling.logit_bias", "biases must be in [-100, 100]"))
+    if s.top_logprobs > TOP_WIDTH:
+        bad.append(("sampling.top_logprobs", f"at most {TOP_WIDTH}"))
+    elif s.top_logprobs and not s.logprobs:
+        bad.append(("sampling.top_logprobs", "needs sampling.logprobs"))
+    if s.logprobs_mode not in worker_pb2.LogprobsMode.values():
+        bad.append(("sampling.logprobs_mode", "unknown mode"))
+    return bad
