@@ -4,6 +4,8 @@ recompile for new values."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -22,7 +24,7 @@ from tests.unit.sampler.test_sampler import packed_from_allowed
 VOCAB, WIDTH = 1_000, 1_024
 
 
-def penalties(n: int, **kw: list) -> PenaltyTensors:  # type: ignore[type-arg]
+def penalties(n: int, **kw: list[Any]) -> PenaltyTensors:
     return PenaltyTensors.build(
         presence=kw.get("presence", [0.0] * n),
         frequency=kw.get("frequency", [0.0] * n),
