@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import constraints, errors, reasoning, schemas, sse, tools
+from gateway import logprobs as lp
 from gateway.chat_template import ChatTemplate, TemplateError, build_prompt
 from gateway.generation import (
     Context,
@@ -83,8 +84,7 @@ def plan_chat(
 ) -> ChatPlan:
     """Everything decided before the worker is called (400s are raised here)."""
     check_common(req)
-    if req.top_logprobs is not None:
-        raise errors.unsupported("top_logprobs")
+    logprobs = lp.chat_request(req)
     tp = tools.plan(req)
     template = template_for(info, template_override)
     fmt = tool_format(template, tool_call_parser)
@@ -108,7 +108,7 @@ def plan_chat(
     max_tokens = req.max_completion_tokens or req.max_tokens
     generate = worker_pb2.GenerateRequest(
         text=prompt,
-        sampling=sampling(req, max_tokens, out.stop),
+        sampling=sampling(req, max_tokens, out.stop, vocab=info.vocab_size, logprobs=logprobs),
         model=req.model,
         reasoning_end_marker=marker,
     )
@@ -149,9 +149,11 @@ async def _collect(
     stream: WorkerStream, plan: ChatPlan, rid: str, created: int, model: str
 ) -> dict[str, Any]:
     output = plan.output()
+    entries: list[worker_pb2.TokenLogprob] = []
     try:
         async for msg in stream:
             output.feed(msg)
+            entries.extend(msg.logprobs)
     finally:
         await stream.aclose()
     output.finish()
@@ -174,7 +176,12 @@ async def _collect(
         model=model,
         choices=[
             schemas.ChatCompletionChoice(
-                index=0, message=message, finish_reason=finish_reason(stream.final, len(calls))
+                index=0,
+                message=message,
+                finish_reason=finish_reason(stream.final, len(calls)),
+                logprobs=schemas.ChoiceLogprobs.model_validate(lp.chat_logprobs(entries))
+                if plan.generate.sampling.logprobs
+                else None,
             )
         ],
         usage=plan.usage(stream, output),
@@ -207,15 +214,22 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     out = sse.Chunks(rid, "chat.completion.chunk", created, model, include_usage)
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return out.choice({"delta": delta}, finish)
+    def chunk(
+        delta: dict[str, Any], finish: str | None = None, logprobs: dict[str, Any] | None = None
+    ) -> bytes:
+        return out.choice({"delta": delta}, finish, logprobs)
 
     output = plan.output()
     try:
         yield chunk({"role": "assistant", "content": ""})
         async for msg in stream:
+            # A message's logprobs ride on its first chunk (an empty delta if it adds none).
+            logprobs = lp.chat_logprobs(msg.logprobs) if msg.logprobs else None
             for d in output.feed(msg):
-                yield chunk(_delta_chunk(d))
+                yield chunk(_delta_chunk(d), logprobs=logprobs)
+                logprobs = None
+            if logprobs is not None:
+                yield chunk({}, logprobs=logprobs)
         for d in output.finish():
             yield chunk(_delta_chunk(d))
         yield chunk({}, finish_reason(stream.final, output.calls))

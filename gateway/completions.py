@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import constraints, errors, schemas, sse
+from gateway import logprobs as lp
 from gateway.generation import (
     Context,
     WorkerStream,
@@ -40,7 +41,14 @@ def plan_completion(
         raise errors.unsupported("suffix")
     if req.best_of not in (None, 1):
         raise errors.unsupported("best_of", "only 1")
-    gen = worker_pb2.GenerateRequest(sampling=sampling(req, req.max_tokens), model=req.model)
+    params = sampling(
+        req, req.max_tokens, vocab=info.vocab_size, logprobs=lp.completion_request(req)
+    )
+    if params.logprobs and req.echo:
+        raise errors.unsupported(
+            "echo", "together with logprobs (prompt logprobs are not computed)"
+        )
+    gen = worker_pb2.GenerateRequest(sampling=params, model=req.model)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -88,6 +96,7 @@ async def handle(ctx: Context, request: Request, req: schemas.CompletionRequest)
     gen.request_id = rid
     created = int(time.time())
     echo = gen.text if req.echo else ""
+    logprobs = gen.sampling.logprobs
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(
         ctx,
@@ -95,20 +104,24 @@ async def handle(ctx: Context, request: Request, req: schemas.CompletionRequest)
         ENDPOINT,
         gen,
         param,
-        stream=(lambda s: _stream(s, rid, created, req.model, echo, include_usage))
+        stream=(lambda s: _stream(s, rid, created, req.model, echo, include_usage, logprobs))
         if req.stream
         else None,
-        collect=lambda s: _collect(s, rid, created, req.model, echo),
+        collect=lambda s: _collect(s, rid, created, req.model, echo, logprobs),
     )
 
 
 async def _collect(
-    stream: WorkerStream, rid: str, created: int, model: str, echo: str
+    stream: WorkerStream, rid: str, created: int, model: str, echo: str, logprobs: bool
 ) -> dict[str, Any]:
     parts = [echo]
+    offsets = lp.CompletionLogprobs(len(echo))
+    lps: list[dict[str, Any]] = []
     try:
         async for msg in stream:
             parts.append(msg.text)
+            if logprobs:
+                lps.append(offsets.add(msg.logprobs))
     finally:
         await stream.aclose()
     result = schemas.Completion(
@@ -117,7 +130,12 @@ async def _collect(
         model=model,
         choices=[
             schemas.CompletionChoice(
-                index=0, text="".join(parts), finish_reason=finish_reason(stream.final)
+                index=0,
+                text="".join(parts),
+                finish_reason=finish_reason(stream.final),
+                logprobs=schemas.CompletionLogprobs.model_validate(lp.CompletionLogprobs.merge(lps))
+                if logprobs
+                else None,
             )
         ],
         usage=stream.usage(),
@@ -132,17 +150,23 @@ async def _stream(
     model: str,
     echo: str,
     include_usage: bool,
+    logprobs: bool,
 ) -> AsyncIterator[bytes]:
     out = sse.Chunks(rid, "text_completion", created, model, include_usage)
+    offsets = lp.CompletionLogprobs(len(echo))
 
-    def chunk(text: str, finish: str | None = None) -> bytes:
-        return out.choice({"text": text}, finish)
+    def chunk(
+        text: str, finish: str | None = None, logprobs: dict[str, Any] | None = None
+    ) -> bytes:
+        return out.choice({"text": text}, finish, logprobs)
 
     try:
         if echo:
             yield chunk(echo)
         async for msg in stream:
-            if msg.text:
+            if logprobs and msg.logprobs:
+                yield chunk(msg.text, logprobs=offsets.add(msg.logprobs))
+            elif msg.text:
                 yield chunk(msg.text)
         yield chunk("", finish_reason(stream.final))
         if include_usage:

@@ -66,6 +66,16 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             last = i == len(reply.chunks) - 1
             msg = worker_pb2.GenerateResponse(request_id=request.request_id, text=text)
             msg.token_ids.extend([100 + i])
+            if request.sampling.logprobs:
+                # Scripted: the i-th chunk is one token, logprob -(i+1)/2; odd ones forced.
+                entry = msg.logprobs.add(
+                    token_id=100 + i,
+                    token=text.encode(),
+                    logprob=0.0 if i % 2 else -(i + 1) / 2,
+                    forced=bool(i % 2),
+                )
+                for k in range(request.sampling.top_logprobs):
+                    entry.top_logprobs.add(token_id=k, token=b"t%d" % k, logprob=-k - 0.25)
             if i == 0 and reply.schema_report is not None:
                 msg.schema_report.CopyFrom(reply.schema_report)
             if last:

@@ -337,8 +337,11 @@ def test_generation_failure_mid_stream(client: openai.OpenAI, fake: FakeWorkerSe
     ("kw", "param"),
     [
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"tool_choice": "required"}, "tool_choice"),
         (
