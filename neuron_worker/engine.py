@@ -701,6 +701,24 @@ class Engine:
                 self._run_sampler(lg, compact, dest, ban, params)
                 on_graph(f"sampler batch={n} {kind}")
                 count += 1
+            # The penalty and logprob graphs (padding rows: the pad slot, nothing penalised).
+            extras = _Extras(
+                penalties={
+                    "presence": [0.0] * n,
+                    "frequency": [0.0] * n,
+                    "repetition": [1.0] * n,
+                    "logit_bias": [{}] * n,
+                },
+                count=[(self.pad_slot, 0)],
+                reset=[],
+                slots=[self.pad_slot] * n,
+                raw_mode=[False] * n,
+                any_penalty=True,
+                any_logprobs=True,
+            )
+            self._run_sampler(self.backend.to_device(logits), compact, dest, ban, params, extras)
+            on_graph(f"penalties and logprobs batch={n}")
+            count += 2
         return count
 
     def _replace(self, logits: Tensor, ff_logits: Tensor, dst: list[int]) -> Tensor:
