@@ -224,49 +224,67 @@ class Engine:
         Raises RpcError: RESOURCE_EXHAUSTED (queue full), ALREADY_EXISTS (live id), the grammar
         service's compile errors, UNAVAILABLE (no grammar replica), FAILED_PRECONDITION.
         """
+        return await self.submit_group([req])
+
+    async def submit_group(self, reqs: Sequence[Request]) -> list[str]:
+        """Queue the choices of one call (n > 1) together, each with its own grammar session:
+        all or none are queued, and they are admitted together so their prompt is prefilled
+        once. Returns the first choice's grammar warnings; raises as :meth:`submit`."""
         if self.draining:
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
-        if req.request_id in self.requests:
-            raise RpcError(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id {req.request_id!r} is already live on this worker",
-                [("request_id", "must be unique among live requests")],
-            )
-        self._check_queue()
-        warnings: list[str] = []
-        if req.constraint is not None:
-            if not self.config.structured_outputs or self.grammar is None:
+        for req in reqs:
+            if req.request_id in self.requests:
                 raise RpcError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    "this worker was started with --disable-structured-outputs; restart it with "
-                    "--enable-structured-outputs (and --grammar-service HOST:PORT) to use constraints",
-                    [("constraint", "structured outputs are disabled on this worker")],
-                    reason="STRUCTURED_OUTPUTS_DISABLED",
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"request_id {req.request_id!r} is already live on this worker",
+                    [("request_id", "must be unique among live requests")],
                 )
-            req.grammar = GrammarRequest(
-                request_id=req.request_id,
-                constraint=req.constraint,
-                options=grammar_pb2.RequestOptions(
-                    reasoning_end_marker=req.reasoning_end_marker,
-                    jump_forward=self.config.jump_forward,
-                ),
-            )
-            self.requests[req.request_id] = req  # reserve the id while the grammar compiles
-            try:
-                warnings = await self.grammar.open(req.grammar)
-                self._check_queue()
-            except BaseException:
+        self._check_queue(len(reqs))
+        warnings: list[str] = []
+        opened: list[Request] = []
+        try:
+            for req in reqs:
+                if req.constraint is not None:
+                    w = await self._open_grammar(req, opened)
+                    warnings = warnings or w
+            self._check_queue(len(reqs))
+        except BaseException:
+            for req in opened:
                 self.requests.pop(req.request_id, None)
-                self.grammar.close(req.grammar)
-                raise
-        self.scheduler.enqueue(req)
-        self.requests[req.request_id] = req
+                if self.grammar is not None and req.grammar is not None:
+                    self.grammar.close(req.grammar)
+            raise
+        for req in reqs:
+            self.scheduler.enqueue(req)
+            self.requests[req.request_id] = req
         self.metrics.queue(self.scheduler.queue_depth, len(self.scheduler.running))
         self._wake.set()
         return warnings
 
-    def _check_queue(self) -> None:
-        if self.scheduler.queue_depth >= self.config.max_queue:
+    async def _open_grammar(self, req: Request, opened: list[Request]) -> list[str]:
+        if not self.config.structured_outputs or self.grammar is None:
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this worker was started with --disable-structured-outputs; restart it with "
+                "--enable-structured-outputs (and --grammar-service HOST:PORT) to use constraints",
+                [("constraint", "structured outputs are disabled on this worker")],
+                reason="STRUCTURED_OUTPUTS_DISABLED",
+            )
+        assert req.constraint is not None
+        req.grammar = GrammarRequest(
+            request_id=req.request_id,
+            constraint=req.constraint,
+            options=grammar_pb2.RequestOptions(
+                reasoning_end_marker=req.reasoning_end_marker,
+                jump_forward=self.config.jump_forward,
+            ),
+        )
+        self.requests[req.request_id] = req  # reserve the id while the grammar compiles
+        opened.append(req)
+        return await self.grammar.open(req.grammar)
+
+    def _check_queue(self, adding: int = 1) -> None:
+        if self.scheduler.queue_depth + adding > self.config.max_queue:
             raise RpcError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the worker's queue is full ({self.config.max_queue} waiting requests); retry later",
@@ -274,16 +292,25 @@ class Engine:
             )
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
-        """Stop a request: at once if it is waiting, at the next step boundary if running."""
+        """Stop a request (or every choice of an n > 1 call, by the call's id): at once if it is
+        waiting, at the next step boundary if running."""
         req = self.requests.get(request_id)
-        if req is None or req.finished:
-            return False
-        if req.state is State.WAITING:
-            self._finish(req, FR.FINISH_REASON_ABORT, error=reason)
-        else:
-            req.abort_reason = reason
-            self._wake.set()
-        return True
+        members = (
+            [req]
+            if req is not None
+            else [r for r in self.requests.values() if r.group == request_id]
+        )
+        found = False
+        for r in members:
+            if r.finished:
+                continue
+            found = True
+            if r.state is State.WAITING:
+                self._finish(r, FR.FINISH_REASON_ABORT, error=reason)
+            else:
+                r.abort_reason = reason
+                self._wake.set()
+        return found
 
     def _finish(
         self,
@@ -356,6 +383,9 @@ class Engine:
             res = await self.grammar.step([(r.grammar, []) for r in constrained])  # type: ignore[misc]
             outcomes = dict(zip(constrained, res, strict=True))
         rows: list[_Row] = []
+        # n > 1: the first choice of a call prefills; the others copy its K/V and logits.
+        leaders: dict[str, _Row] = {}
+        shared: list[tuple[_Row, _Row]] = []
         for req in reqs:
             out = outcomes.get(req)
             ff: list[int] = []
@@ -375,12 +405,25 @@ class Engine:
                 if out.finished:
                     self._finish(req, FR.FINISH_REASON_STOP)
                     continue
-            rows.append(_Row(req, req.prompt + ff, 0))
+            row = _Row(req, req.prompt + ff, 0)
+            leader = leaders.get(req.group) if req.group else None
+            if leader is not None and leader.tokens == row.tokens:
+                shared.append((row, leader))  # same prompt and forced tokens: no forward of its own
+                continue
+            rows.append(row)
+            if req.group:
+                leaders.setdefault(req.group, row)
         if not rows:
             return
         logits = await self._forward(rows, "prefill")
         for row in rows:
             row.req.cached = len(row.tokens)
+        if shared:
+            base = logits
+            logits = await self._on_device(lambda: self._share_prefill(base, rows, shared))
+            for row, _ in shared:
+                row.req.cached = len(row.tokens)
+            rows += [row for row, _ in shared]
         await self._sample_rows(rows, logits, outcomes)
         log.debug(
             "prefill of %d requests took %.1f ms", len(rows), 1e3 * (time.perf_counter() - started)
@@ -720,6 +763,26 @@ class Engine:
             on_graph(f"penalties and logprobs batch={n}")
             count += 2
         return count
+
+    def _share_prefill(
+        self, logits: Tensor, rows: list[_Row], shared: list[tuple[_Row, _Row]]
+    ) -> Tensor:
+        """Device thread: each follower's slot gets its leader's prompt K/V (copied up to the
+        sequence bucket), and the logits gain one row per follower, its leader's (padded to a
+        batch bucket the sampler takes)."""
+        position = {id(row): i for i, row in enumerate(rows)}
+        index = list(range(len(rows)))
+        for row, leader in shared:
+            length = self.forward.shape(1, 1, len(row.tokens))[2]
+            self.model.copy_slot(leader.req.slot, row.req.slot, length)
+            index.append(position[id(leader)])
+        total = self.forward.shape(len(index), 1, 1)[0]
+        index += [0] * (total - len(index))
+        with self.backend.inference_mode():
+            idx = self.backend.to_device(torch.tensor(index, dtype=torch.int64))
+            out = logits.index_select(0, idx)
+            self.backend.mark_step()
+        return out
 
     def _replace(self, logits: Tensor, ff_logits: Tensor, dst: list[int]) -> Tensor:
         """Device thread: batch rows `dst` take the logits of jump-forward rows 0..len(dst)-1, as

@@ -78,6 +78,11 @@ class Request:
     constraint: common_pb2.Constraint | None = None
     reasoning_end_marker: str = ""
     arrival: float = field(default_factory=time.monotonic)
+    # n > 1: the Generate call's id (messages carry it) and this choice's index; the group's
+    # requests share `outputs`, are admitted together and prefill the prompt once.
+    group: str = ""
+    index: int = 0
+    group_size: int = 1
 
     grammar: GrammarRequest | None = None  # set when the request is constrained
     state: State = State.WAITING
@@ -140,7 +145,8 @@ class Request:
         if not self._unsent_ids and not self._unsent_text:
             return None
         msg = worker_pb2.GenerateResponse(
-            request_id=self.request_id,
+            request_id=self.group or self.request_id,
+            index=self.index,
             token_ids=self._unsent_ids,
             text="".join(self._unsent_text),
             logprobs=self._unsent_logprobs,
@@ -159,7 +165,9 @@ class Request:
             tail = self.detok.flush().text
             if tail:
                 self._unsent_text.append(tail)
-        msg = self.flush_message() or worker_pb2.GenerateResponse(request_id=self.request_id)
+        msg = self.flush_message() or worker_pb2.GenerateResponse(
+            request_id=self.group or self.request_id, index=self.index
+        )
         msg.finish_reason = reason  # type: ignore[assignment]
         msg.stop_string = stop_string
         msg.error = error

@@ -9,6 +9,7 @@ import secrets
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import grpc
 
@@ -64,18 +65,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         done = False
         try:
             req = await self._build(request)
-            await self.engine.submit(req)
+            choices = _choices(req, request.n)
+            await self.engine.submit_group(choices)
             if debug_payloads():
                 log.debug("generate %s: %d prompt tokens", req.request_id, len(req.prompt))
             # The schema's enforcement report rides on the first message.
             report = req.grammar.report if req.grammar is not None else None
+            left = len(choices)
             while True:
                 item = await req.outputs.get()
                 if isinstance(item, RpcError):
                     done = True
                     raise item
                 if item.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED:
-                    done = True
+                    left -= 1
+                    done = left == 0
                 if report is not None:
                     item.schema_report.CopyFrom(report)
                     report = None
@@ -87,9 +91,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.engine.metrics.rejected(e.code.name)
             await e.abort(context)
         finally:
-            # Client went away (or the handler failed): free the KV slot and grammar state.
+            # Client went away (or the handler failed): free the KV slots and grammar state.
             if req is not None and not done:
-                self.engine.abort(req.request_id, "client cancelled the call")
+                self.engine.abort(req.group or req.request_id, "client cancelled the call")
 
     async def _build(self, msg: worker_pb2.GenerateRequest) -> Request:
         """Validate a GenerateRequest into an engine Request (INVALID_ARGUMENT / NOT_FOUND).
@@ -209,6 +213,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         elif any(t < 0 or t >= vocab for t in s.stop_token_ids):
             bad.append(("sampling.stop_token_ids", f"every id must be in [0, {vocab})"))
         bad += _check_penalties(s, vocab)
+        max_n = self.engine.config.max_batch
+        if msg.n > max_n:
+            bad.append(("n", f"at most {max_n} (the worker's max batch size)"))
         constraint = msg.constraint if msg.HasField("constraint") else None
         if constraint is not None and constraint.WhichOneof("kind") is None:
             bad.append(("constraint", "set exactly one kind (json_schema, regex, lark, ...)"))
@@ -272,3 +279,30 @@ def _check_penalties(s: worker_pb2.SamplingParams, vocab: int) -> list[FieldViol
     if s.logprobs_mode not in worker_pb2.LogprobsMode.values():
         bad.append(("sampling.logprobs_mode", "unknown mode"))
     return bad
+
+
+def _choices(first: Request, n: int) -> list[Request]:
+    """The requests of a call's `n` choices: `first` and copies with seeds `seed + i`, sharing
+    one output queue (messages say their `index`)."""
+    if n <= 1:
+        return [first]
+    first.group, first.group_size = first.request_id, n
+    first.request_id = f"{first.group}/0"
+    out = [first]
+    for i in range(1, n):
+        sampling = replace(first.sampling, seed=(first.sampling.seed + i) % 2**64)
+        out.append(
+            Request(
+                request_id=f"{first.group}/{i}",
+                prompt=list(first.prompt),
+                sampling=sampling,
+                detok=first.detok.fresh(),
+                constraint=first.constraint,
+                reasoning_end_marker=first.reasoning_end_marker,
+                group=first.group,
+                index=i,
+                group_size=n,
+                outputs=first.outputs,
+            )
+        )
+    return out

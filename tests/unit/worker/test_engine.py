@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import numpy as np
@@ -51,6 +52,11 @@ class FakeModel:
 
     def setup_caches(self, max_batch: int, max_seq: int) -> None:
         self.cache = np.full((max_batch, max_seq), -1, dtype=np.int64)
+        self.copies: list[tuple[int, int, int]] = []
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        self.cache[dst, :length] = self.cache[src, :length]
+        self.copies.append((src, dst, length))
 
     def step_logits(
         self,
@@ -378,3 +384,66 @@ async def test_logit_bias_and_penalties_change_the_tokens() -> None:
     for t in set(out[:4]):
         assert int(table.counts[slot, t]) == out[:4].count(t)
     assert table.prompt_seen[slot, penalised.prompt].all()
+
+
+async def collect_group(queue_owner: Request, n: int) -> dict[int, tuple[list[int], Any]]:
+    """Messages of an n-choice call from their shared queue, by choice index."""
+    got: dict[int, tuple[list[int], Any]] = {i: ([], None) for i in range(n)}
+    left = n
+    while left:
+        msg = await queue_owner.outputs.get()
+        assert not isinstance(msg, RpcError), msg
+        ids, _ = got[msg.index]
+        ids += list(msg.token_ids)
+        if msg.finish_reason:
+            got[msg.index] = (ids, msg)
+            left -= 1
+    return got
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+async def test_n_choices_prefill_the_prompt_once(constrained: bool) -> None:
+    """Three choices: one prefill row, the others' slots get its K/V (the fake model would
+    diverge from the reference if a slot lacked the prompt), each choice its own grammar."""
+    from neuron_worker.servicer import _choices
+
+    engine, model = make_engine(overlap=True)
+    await engine.start()
+    try:
+        first = request(5, constrained=constrained)
+        first.request_id = "call"
+        choices = _choices(first, 3)
+        assert [c.request_id for c in choices] == ["call/0", "call/1", "call/2"]
+        assert len({c.sampling.seed for c in choices}) == 3
+        await engine.submit_group(choices)
+        if constrained:
+            assert len({id(c.grammar) for c in choices}) == 3
+        got = await collect_group(first, 3)
+    finally:
+        await engine.stop()
+    want = reference(first.prompt, 12, constrained, 9)
+    for i in range(3):
+        ids, final = got[i]
+        assert ids == want, i
+        assert final.request_id == "call" and final.usage.prompt_tokens == len(first.prompt)
+    slots = {src for src, _, _ in model.copies}
+    assert len(model.copies) == 2 and len(slots) == 1
+    assert all(length >= len(first.prompt) for _, _, length in model.copies)
+
+
+async def test_abort_by_call_id_stops_every_choice() -> None:
+    from neuron_worker.servicer import _choices
+
+    engine, _ = make_engine(overlap=True)
+    await engine.start()
+    try:
+        first = request(1, constrained=False, max_tokens=200)
+        first.request_id = "long"
+        await engine.submit_group(_choices(first, 2))
+        await first.outputs.get()
+        assert engine.abort("long")
+        got = await collect_group(first, 2)
+    finally:
+        await engine.stop()
+    # The first message may have been one choice's delta; both end with ABORT.
+    assert {got[i][1].finish_reason for i in range(2)} == {worker_pb2.FINISH_REASON_ABORT}
