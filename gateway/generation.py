@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import errors, schemas, sse
-from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_BYTES
+from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 from gateway.metrics import GatewayMetrics
 from gateway.workers import WorkerPool
 from maskwire.text import truncate_echo, utf8_len
@@ -98,6 +98,7 @@ class Context:
     request_timeout_s: float
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+    max_n: int = DEFAULT_MAX_N
     chat_template: str | None = None  # template source overriding the model's
     tool_call_parser: str | None = None  # `--tool-call-parser`; None: the template decides
 
@@ -106,10 +107,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def check_common(req: schemas._SamplingFields) -> None:
-    """Refuse, with a 400 naming the field, what this server cannot honour."""
-    if req.n not in (None, 1):
-        raise errors.unsupported("n", "only n=1")
+def check_common(req: schemas._SamplingFields, info: worker_pb2.ModelInfo, max_n: int) -> int:
+    """Refuse, with a 400 naming the field, what this server cannot honour; returns `n`."""
+    n = req.n or 1
+    if n > max_n:
+        raise errors.bad_request(
+            f"`n` is {n}; this server allows at most {max_n} (the gateway's --max-n)", "n"
+        )
+    if info.max_batch_size and n > info.max_batch_size:
+        raise errors.bad_request(
+            f"`n` is {n}; the worker decodes at most {info.max_batch_size} sequences at once",
+            "n",
+        )
+    return n
 
 
 def logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
@@ -241,7 +251,8 @@ class WorkerStream:
         self.endpoint = endpoint
         self.gen = gen
         self.first: worker_pb2.GenerateResponse | None = None
-        self.final: worker_pb2.GenerateResponse | None = None
+        self.final: worker_pb2.GenerateResponse | None = None  # the last choice's last message
+        self.finals: dict[int, worker_pb2.GenerateResponse] = {}  # by choice index
         self.headers: dict[str, str] = {}
         self.started = time.monotonic()
         self.done = False  # the HTTP response was written to the end (incl. an error event)
@@ -282,6 +293,7 @@ class WorkerStream:
     def _check(self, msg: worker_pb2.GenerateResponse) -> worker_pb2.GenerateResponse:
         if msg.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED:
             self.final = msg
+            self.finals[msg.index] = msg
             if msg.finish_reason not in _FINISH_OK:
                 if msg.finish_reason == worker_pb2.FINISH_REASON_ABORT:
                     raise errors.APIError(
@@ -299,7 +311,8 @@ class WorkerStream:
                     )
                 raise errors.internal(f"generation failed: {msg.error or 'unknown error'}")
             usage = msg.usage
-            self.ctx.metrics.tokens.labels("prompt").inc(usage.prompt_tokens)
+            if len(self.finals) == 1:  # every choice's usage counts the one prompt
+                self.ctx.metrics.tokens.labels("prompt").inc(usage.prompt_tokens)
             self.ctx.metrics.tokens.labels("completion").inc(usage.completion_tokens)
         return msg
 
@@ -309,11 +322,14 @@ class WorkerStream:
             await aclose()
 
     def usage(self) -> schemas.Usage:
-        u = self.final.usage if self.final is not None else worker_pb2.Usage()
+        """OpenAI's usage: the prompt once, the completion tokens of every choice summed."""
+        finals = list(self.finals.values())
+        prompt = finals[0].usage.prompt_tokens if finals else 0
+        completion = sum(f.usage.completion_tokens for f in finals)
         return schemas.Usage(
-            prompt_tokens=u.prompt_tokens,
-            completion_tokens=u.completion_tokens,
-            total_tokens=u.prompt_tokens + u.completion_tokens,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
         )
 
 

@@ -168,7 +168,9 @@ class _SamplingFields(_Request):
     model: str = Field(..., description="The served model's id (see `GET /v1/models`).")
     temperature: float | None = Field(None, ge=0, le=2, description="Default 1; 0 is greedy.")
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = Field(None, ge=1, description="Only 1 is supported.")
+    n: int | None = Field(
+        None, ge=1, description="Choices to generate (default 1; at most the gateway's --max-n)."
+    )
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(

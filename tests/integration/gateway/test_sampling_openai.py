@@ -1,4 +1,4 @@
-"""Logprobs, penalties and logit bias with the official `openai` SDK against the live stack
+"""Logprobs, penalties, logit bias and n > 1 with the official `openai` SDK against the live stack
 (embedded SmolLM2, real tokenizer, grammar service; shared stack from `conftest.py`)."""
 
 from __future__ import annotations
@@ -18,15 +18,17 @@ REVIEW = [{"role": "user", "content": "Classify the sentiment: 'I loved this fil
 
 def classify(client: openai.OpenAI, **kw: Any) -> Any:
     extra = {"structured_outputs": {"choice": LABELS}, **kw.pop("extra_body", {})}
+    args: dict[str, Any] = {
+        "temperature": 0,
+        "max_tokens": 10,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
     return client.chat.completions.create(
         model=MODEL,
         messages=REVIEW,  # type: ignore[arg-type]
-        temperature=0,
-        max_tokens=10,
-        logprobs=True,
-        top_logprobs=20,
         extra_body=extra,
-        **kw,
+        **{**args, **kw},
     )
 
 
@@ -140,7 +142,7 @@ def test_refusals_name_the_field(client: openai.OpenAI) -> None:
     for kw, param in (
         ({"logit_bias": {"49152": 1}}, "logit_bias"),
         ({"top_logprobs": 3}, "top_logprobs"),
-        ({"n": 2}, "n"),
+        ({"n": 9}, "n"),
     ):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(
@@ -150,3 +152,47 @@ def test_refusals_name_the_field(client: openai.OpenAI) -> None:
                 **kw,  # type: ignore[arg-type]
             )
         assert isinstance(e.value.body, dict) and e.value.body["param"] == param
+
+
+def test_n_greedy_choices_equal_the_single_answer(client: openai.OpenAI) -> None:
+    """The prompt is prefilled once and copied into the other choices' KV slots: with greedy
+    decoding every choice must be the n = 1 answer, token for token."""
+    kw: dict[str, Any] = {"model": MODEL, "messages": REVIEW, "temperature": 0, "max_tokens": 12}
+    one = client.chat.completions.create(**kw)
+    three = client.chat.completions.create(n=3, **kw)
+    want = one.choices[0].message.content
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert [c.message.content for c in three.choices] == [want] * 3
+    assert one.usage is not None and three.usage is not None
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+
+
+def test_n_sampled_choices_each_follow_the_constraint(client: openai.OpenAI) -> None:
+    def run() -> list[str]:
+        r = classify(client, n=4, temperature=1.5, seed=7, top_logprobs=None, logprobs=None)
+        assert all(c.logprobs is None for c in r.choices)
+        return [c.message.content for c in r.choices]
+
+    first = run()
+    assert all(label in LABELS for label in first)
+    assert run() == first  # seed + i per choice: reproducible
+
+
+def test_n_streamed_completions_carry_their_index(client: openai.OpenAI) -> None:
+    text: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for chunk in client.completions.create(
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=3,
+        temperature=0,
+        n=2,
+        stream=True,
+    ):
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert set(text) == {0, 1} and text[0] == text[1] and text[0].startswith(" Paris")
+    assert finish == {0: "length", 1: "length"}

@@ -336,7 +336,7 @@ def test_generation_failure_mid_stream(client: openai.OpenAI, fake: FakeWorkerSe
 @pytest.mark.parametrize(
     ("kw", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 9}, "n"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logit_bias": {"-1": 1}}, "logit_bias"),
