@@ -670,6 +670,13 @@ class Engine:
                 n_rows=n,
                 device=backend.device,
             )
+            if (
+                extras is not None
+                and backend.name == "xla"
+                and (extras.any_penalty or extras.any_logprobs)
+            ):
+                # One graph kind with both (static graphs: no penalties x logprobs combinations).
+                extras.any_penalty = extras.any_logprobs = True
             if extras is not None and extras.any_penalty:
                 lg = self._penalize(lg, extras, pad)
             out = self.sampler(lg, mask, tensors)
@@ -691,6 +698,9 @@ class Engine:
         for slot, prompt in extras.reset:
             table.reset(slot, prompt)
         table.add(extras.count)
+        # The updates' sizes vary (padded to powers of two): their own small graphs on XLA,
+        # never part of the sampler's.
+        self.backend.mark_step()
         slots = torch.tensor(extras.slots + [self.pad_slot] * pad, dtype=torch.int64)
         counts, seen = table.rows(self.backend.to_device(slots))
         p = extras.penalties
@@ -744,25 +754,30 @@ class Engine:
                 self._run_sampler(lg, compact, dest, ban, params)
                 on_graph(f"sampler batch={n} {kind}")
                 count += 1
-            # The penalty and logprob graphs (padding rows: the pad slot, nothing penalised).
-            extras = _Extras(
-                penalties={
-                    "presence": [0.0] * n,
-                    "frequency": [0.0] * n,
-                    "repetition": [1.0] * n,
-                    "logit_bias": [{}] * n,
-                },
-                count=[(self.pad_slot, 0)],
-                reset=[],
-                slots=[self.pad_slot] * n,
-                raw_mode=[False] * n,
-                any_penalty=True,
-                any_logprobs=True,
-            )
-            self._run_sampler(self.backend.to_device(logits), compact, dest, ban, params, extras)
-            on_graph(f"penalties and logprobs batch={n}")
-            count += 2
+                # With penalties and logprobs: their graphs (CPU/CUDA: once per bucket), or on
+                # XLA one sampler graph per kind that includes them.
+                lg = self.backend.to_device(logits)
+                self._run_sampler(lg, compact, dest, ban, params, self._warmup_extras(n))
+                on_graph(f"sampler batch={n} {kind} with penalties and logprobs")
+                count += 1
         return count
+
+    def _warmup_extras(self, n: int) -> _Extras:
+        """Penalties and logprobs for `n` padding rows (the pad slot, nothing penalised)."""
+        return _Extras(
+            penalties={
+                "presence": [0.0] * n,
+                "frequency": [0.0] * n,
+                "repetition": [1.0] * n,
+                "logit_bias": [{}] * n,
+            },
+            count=[(self.pad_slot, 0)],
+            reset=[],
+            slots=[self.pad_slot] * n,
+            raw_mode=[False] * n,
+            any_penalty=True,
+            any_logprobs=True,
+        )
 
     def _share_prefill(
         self, logits: Tensor, rows: list[_Row], shared: list[tuple[_Row, _Row]]
