@@ -76,6 +76,9 @@ class SamplerLike(Protocol):
     ) -> Any: ...
 
 
+_PAD_ROW: dict[str, float] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "offset": 0}
+
+
 @dataclass
 class _Extras:
     """A step's optional sampler work: penalties (occurrences to count first, slots whose table
@@ -553,9 +556,7 @@ class Engine:
         compact = np.empty((n, self.words), dtype=np.int32)
         dest = np.full(n, n, dtype=np.int64)
         ban_eos = np.zeros(n, dtype=bool)
-        params: dict[str, list[Any]] = {
-            k: [] for k in ("temperature", "top_p", "top_k", "seed", "offset")
-        }
+        params: dict[str, list[Any]] = {k: [] for k in _PAD_ROW}
         extras = _Extras(
             penalties={k: [] for k in ("presence", "frequency", "repetition", "logit_bias")},
             count=[],
@@ -565,10 +566,9 @@ class Engine:
         )
         m = 0
         for i, req in enumerate(reqs):
-            if req is None:
-                for k, v in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0), ("seed", 0)):
+            if req is None:  # a greedy row whose token is ignored
+                for k, v in _PAD_ROW.items():
                     params[k].append(v)
-                params["offset"].append(0)
                 self._no_extras(extras)
                 continue
             s = req.sampling
