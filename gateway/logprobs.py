@@ -48,6 +48,7 @@ def chat_content(entries: Iterable[worker_pb2.TokenLogprob]) -> list[dict[str, A
 
 
 def chat_logprobs(entries: Iterable[worker_pb2.TokenLogprob]) -> dict[str, Any]:
+    """A chat choice's (or chunk's) `logprobs` object."""
     return {"content": chat_content(entries), "refusal": None}
 
 
