@@ -36,6 +36,9 @@ class Up:
         self.err = tmp_path / "up.err"
         self.logs = tmp_path / "logs"
         argv = ["up", "--no-show-logs", "--log-dir", str(self.logs), "--grammar-replicas", "2"]
+        # The supervisor is under test, not the forward: the worker's reference settings start
+        # in seconds (the compiled default is tested by test_up_demo and the compiled suite).
+        argv += ["--worker-arg=--no-compile", "--worker-arg=--dtype=float32"]
         with self.out.open("w") as out, self.err.open("w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "maskwire.cli", *argv, *args],
