@@ -10,6 +10,7 @@ import torch
 
 from neuron_worker.model.llama import Transformer
 from neuron_worker.parallel.sampling import ShardedSampler
+from neuron_worker.parallel.vocab import shard_mask_words
 from neuron_worker.sampler import NO_TOKEN, SamplingTensors
 
 
@@ -25,11 +26,15 @@ def sample_generate(
     top_k: int = 0,
     seed: int = 0,
     stop_ids: Sequence[int] = (),
+    mask: torch.Tensor | None = None,
 ) -> list[int]:
     """Prefill ``prompt_ids`` into slot 0, then sample until a stop id, :data:`NO_TOKEN` or
     ``max_new_tokens`` (the stop token is included). Every rank of the sampler's group must call
-    it with the same arguments; all return the same tokens. Needs ``setup_caches`` first."""
+    it with the same arguments; all return the same tokens. Needs ``setup_caches`` first.
+    ``mask``: one full-vocabulary packed row (int32 ``[1, W]``) applied at every step; each rank
+    uses its words of it."""
     device = model.tok_embeddings.weight.device
+    words = None if mask is None else shard_mask_words(mask, sampler.shard).to(device)
     n = len(prompt_ids)
     if n + max_new_tokens > model.max_seq:
         raise ValueError(f"prompt ({n}) + max_new_tokens ({max_new_tokens}) > {model.max_seq}")
@@ -48,7 +53,7 @@ def sample_generate(
             n_rows=1,
             device=device,
         )
-        token = int(sampler(model.logits(hidden[:, -1]), None, params)[0])
+        token = int(sampler(model.logits(hidden[:, -1]), words, params)[0])
         if token == NO_TOKEN:
             break
         out.append(token)

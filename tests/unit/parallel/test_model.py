@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from maskwire.bitmask import words_per_row
 from neuron_worker.model import ModelConfig, build_model
 from neuron_worker.parallel import (
     Collectives,
@@ -41,6 +42,10 @@ def _logits(config: ModelConfig, group: Collectives) -> tuple[Tensor, Tensor]:
         prefill = model.logits(model(PROMPTS, pos, torch.arange(b), 16))
         step = model.logits(model(torch.tensor([[7], [9]]), torch.tensor([[t], [t]]), None, 16))
     return prefill, step
+
+
+# Odd token ids only: the mask keeps both ranks' slices partly open.
+ODD = torch.full((1, words_per_row(UNEVEN.vocab_size)), 0xAAAAAAAA - 2**32, dtype=torch.int32)
 
 
 def _on_rank(group: ProcessGroup) -> dict[str, Any]:
@@ -96,10 +101,13 @@ def _generate(group: Collectives, config: ModelConfig) -> list[list[int]]:
         sample_generate(model, sampler, prompt, 12),
         sample_generate(model, sampler, prompt, 12, temperature=1.0, seed=3),
         sample_generate(model, sampler, prompt, 12, temperature=0.8, top_k=5, top_p=0.9, seed=4),
+        sample_generate(model, sampler, prompt, 12, mask=ODD),
+        sample_generate(model, sampler, prompt, 12, temperature=1.0, seed=5, mask=ODD),
     ]
 
 
 def test_generated_tokens_equal_one_rank_greedy_and_seeded(ranks: list[dict[str, Any]]) -> None:
     one = _generate(SingleRank(), UNEVEN)
     assert one[0] != one[1]  # sampling really sampled
+    assert all(t % 2 for t in one[3] + one[4]) and one[3] != one[0]  # the mask held
     assert [r["generate"] for r in ranks] == [one, one]

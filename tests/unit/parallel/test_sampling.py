@@ -3,6 +3,7 @@ O(batch * world) values cross ranks."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ from torch import Tensor
 
 from maskwire.bitmask import words_per_row
 from neuron_worker.parallel import ProcessGroup, ShardedSampler, shard_mask_words, vocab_shards
-from neuron_worker.sampler import NO_TOKEN, sample_tokens
+from neuron_worker.parallel.sampling import combine, local_candidates
+from neuron_worker.sampler import NO_TOKEN, Mode, sample_tokens
 from tests.unit.parallel.ranks import run_ranks
 from tests.unit.parallel.shards import params, simulate
 
@@ -168,3 +170,22 @@ def test_two_gloo_ranks_agree_with_one(tmp_path: Path) -> None:
     )
     assert torch.equal(t0, expected)
     assert sent0 == sent1 == 8 * 8 * (2 + 4 + 5 + 2 * 16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["greedy", "filter"])
+def test_both_halves_compile_to_one_graph_each_and_match_eager(mode: Mode) -> None:
+    """The collective sits between the halves, so each compiles with ``fullgraph=True`` (filter
+    takes ~150 s on 2 loaded cores, hence slow)."""
+    shard = vocab_shards(1000, 2)[1]
+    p = params(4, temperature=0.8, top_k=5, top_p=0.9)
+    logits, words = _logits(4, width=shard.width), _random_mask(4, 1000)[:, shard.word_start :]
+    local = functools.partial(
+        local_candidates, shard=shard, vocab_size=990, mode=mode, candidates=8
+    )
+    mine = torch.compile(local, fullgraph=True)(logits, words, p.temperature, p.seed, p.offset)
+    torch.testing.assert_close(mine, local(logits, words, p.temperature, p.seed, p.offset))
+    gathered = torch.stack([mine, mine.flip(0)])
+    args = (gathered, p.temperature, p.top_p, p.top_k, p.seed, p.offset)
+    together = functools.partial(combine, mode=mode, candidates=8)
+    assert torch.equal(torch.compile(together, fullgraph=True)(*args), together(*args))
