@@ -8,6 +8,10 @@ without gathering logits.
   interface; ``torch.distributed`` (gloo on CPU, nccl on CUDA) or a single rank.
 * :mod:`~neuron_worker.parallel.model`: shard a loaded ``Transformer`` in place.
 * :mod:`~neuron_worker.parallel.sampling`: the sharded masked sampler.
+* :mod:`~neuron_worker.parallel.runner`, :mod:`~neuron_worker.parallel.followers`: one rank's
+  forward + sample; rank 0 broadcasting them to follower ranks, which replay; a rank monitor.
+* :mod:`~neuron_worker.parallel.decode`, :mod:`~neuron_worker.parallel.launch`: a reference
+  decode loop and local rank processes (tests, benchmark).
 """
 
 from neuron_worker.parallel.group import Collectives, ProcessGroup, SingleRank, init_group

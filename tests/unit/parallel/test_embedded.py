@@ -17,6 +17,7 @@ from neuron_worker.parallel import (
     shard_transformer,
 )
 from neuron_worker.parallel.decode import sample_generate
+from neuron_worker.parallel.runner import RankRunner
 from tests.unit.parallel.ranks import run_ranks
 
 RAW = "The capital of France is"
@@ -29,12 +30,13 @@ def _decode(group: Collectives) -> dict[str, list[int]]:
     shard = shard_transformer(model, group)  # at TP = 1: the whole model, through the same code
     model.setup_caches(1, 96)
     sampler = ShardedSampler(shard=shard, vocab_size=tok.vocab_size, group=group)
+    runner = RankRunner(model, sampler)
     stop = tok.eos_token_ids
     return {
-        "raw": sample_generate(model, sampler, tok.encode(RAW), 2),
-        "chat": sample_generate(model, sampler, tok.encode(CHAT), 12, stop_ids=stop),
+        "raw": sample_generate(runner, tok.encode(RAW), 2),
+        "chat": sample_generate(runner, tok.encode(CHAT), 12, stop_ids=stop),
         "sampled": sample_generate(
-            model, sampler, tok.encode(CHAT), 12, temperature=0.9, top_p=0.95, seed=11
+            runner, tok.encode(CHAT), 12, temperature=0.9, top_p=0.95, seed=11
         ),
     }
 

@@ -19,6 +19,7 @@ from neuron_worker.parallel import (
 )
 from neuron_worker.parallel.decode import sample_generate
 from neuron_worker.parallel.model import split_range
+from neuron_worker.parallel.runner import RankRunner
 from tests.unit.model.tiny import TINY, random_weights, tiny_config
 from tests.unit.parallel.ranks import run_ranks
 
@@ -96,13 +97,14 @@ def _generate(group: Collectives, config: ModelConfig) -> list[list[int]]:
     shard = shard_transformer(model, group)
     model.setup_caches(1, 32)
     sampler = ShardedSampler(shard=shard, vocab_size=config.vocab_size, group=group)
+    runner = RankRunner(model, sampler)
     prompt = PROMPTS[0].tolist()
     return [
-        sample_generate(model, sampler, prompt, 12),
-        sample_generate(model, sampler, prompt, 12, temperature=1.0, seed=3),
-        sample_generate(model, sampler, prompt, 12, temperature=0.8, top_k=5, top_p=0.9, seed=4),
-        sample_generate(model, sampler, prompt, 12, mask=ODD),
-        sample_generate(model, sampler, prompt, 12, temperature=1.0, seed=5, mask=ODD),
+        sample_generate(runner, prompt, 12),
+        sample_generate(runner, prompt, 12, temperature=1.0, seed=3),
+        sample_generate(runner, prompt, 12, temperature=0.8, top_k=5, top_p=0.9, seed=4),
+        sample_generate(runner, prompt, 12, mask=ODD),
+        sample_generate(runner, prompt, 12, temperature=1.0, seed=5, mask=ODD),
     ]
 
 
