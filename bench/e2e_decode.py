@@ -101,6 +101,9 @@ class StandInForward:
     def setup_caches(self, max_batch: int, max_seq: int) -> None:
         pass
 
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        pass
+
     def step_logits(
         self,
         tokens: torch.Tensor,

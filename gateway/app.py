@@ -20,7 +20,7 @@ from gateway import response_schemas as rs
 from gateway.auth import ApiKeys
 from gateway.generation import ClientDisconnected, Context, Limiter
 from gateway.input_check import checked_route
-from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_BYTES
+from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 from gateway.metrics import GatewayMetrics
 from gateway.workers import WorkerPool
 from maskwire.logs import debug_payloads
@@ -46,6 +46,7 @@ class GatewayConfig:
     health_timeout_s: float = 2.0  # a worker that does not answer its health check in time is down
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # the prompt text sent to a worker (400)
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH  # nesting of a body, or of JSON sent as text (400)
+    max_n: int = DEFAULT_MAX_N  # choices per request (400 past it)
     worker_dns_refresh_s: float = 10.0  # how often dns:/// worker targets are re-resolved
     # Bearer tokens accepted on /v1 (empty: no authentication), see gateway.auth.
     api_keys: tuple[str, ...] = field(default_factory=tuple)
@@ -200,6 +201,7 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         request_timeout_s=config.request_timeout_s,
         max_prompt_bytes=config.max_prompt_bytes,
         max_json_depth=config.max_json_depth,
+        max_n=config.max_n,
         chat_template=config.chat_template,
         tool_call_parser=config.tool_call_parser,
     )

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import constraints, errors, reasoning, schemas, sse, tools
+from gateway import logprobs as lp
 from gateway.chat_template import ChatTemplate, TemplateError, build_prompt
 from gateway.generation import (
     Context,
@@ -23,7 +24,7 @@ from gateway.generation import (
     respond,
     sampling,
 )
-from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_BYTES
+from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 from gateway.output import Output
 from gateway.tool_formats import ToolFormat, by_name, detect
 from gateway.tool_parser import ContentDelta, Delta, OutputParser, ReasoningDelta
@@ -41,14 +42,22 @@ class ChatPlan:
     mode: ToolMode
     reasoning: bool  # the output starts with the model's thinking (`gateway.reasoning`)
 
+    @property
+    def n(self) -> int:
+        return max(1, self.generate.n)
+
     def output(self) -> Output:
         return Output(self.parser, self.reasoning)
 
-    def usage(self, stream: WorkerStream, output: Output) -> schemas.Usage:
+    def outputs(self) -> list[Output]:
+        """One per choice."""
+        return [self.output() for _ in range(self.n)]
+
+    def usage(self, stream: WorkerStream, *outputs: Output) -> schemas.Usage:
         usage = stream.usage()
         if self.reasoning:
             usage.completion_tokens_details = schemas.CompletionTokensDetails(
-                reasoning_tokens=output.reasoning_tokens
+                reasoning_tokens=sum(o.reasoning_tokens for o in outputs)
             )
         return usage
 
@@ -80,11 +89,11 @@ def plan_chat(
     *,
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
+    max_n: int = DEFAULT_MAX_N,
 ) -> ChatPlan:
     """Everything decided before the worker is called (400s are raised here)."""
-    check_common(req)
-    if req.top_logprobs is not None:
-        raise errors.unsupported("top_logprobs")
+    n = check_common(req, info, max_n)
+    logprobs = lp.chat_request(req)
     tp = tools.plan(req)
     template = template_for(info, template_override)
     fmt = tool_format(template, tool_call_parser)
@@ -108,9 +117,10 @@ def plan_chat(
     max_tokens = req.max_completion_tokens or req.max_tokens
     generate = worker_pb2.GenerateRequest(
         text=prompt,
-        sampling=sampling(req, max_tokens, out.stop),
+        sampling=sampling(req, max_tokens, out.stop, vocab=info.vocab_size, logprobs=logprobs),
         model=req.model,
         reasoning_end_marker=marker,
+        n=n if n > 1 else 0,
     )
     if constraint is not None:
         generate.constraint.CopyFrom(constraint)
@@ -127,6 +137,7 @@ async def handle(ctx: Context, request: Request, req: schemas.ChatCompletionRequ
         ctx.tool_call_parser,
         max_prompt_bytes=ctx.max_prompt_bytes,
         max_json_depth=ctx.max_json_depth,
+        max_n=ctx.max_n,
     )
     rid = new_id("chatcmpl")
     plan.generate.request_id = rid
@@ -148,12 +159,31 @@ async def handle(ctx: Context, request: Request, req: schemas.ChatCompletionRequ
 async def _collect(
     stream: WorkerStream, plan: ChatPlan, rid: str, created: int, model: str
 ) -> dict[str, Any]:
-    output = plan.output()
+    outputs = plan.outputs()
+    entries: list[list[worker_pb2.TokenLogprob]] = [[] for _ in outputs]
     try:
         async for msg in stream:
-            output.feed(msg)
+            outputs[msg.index].feed(msg)
+            entries[msg.index].extend(msg.logprobs)
     finally:
         await stream.aclose()
+    result = schemas.ChatCompletion(
+        id=rid,
+        created=created,
+        model=model,
+        choices=[_choice(stream, plan, i, output, entries[i]) for i, output in enumerate(outputs)],
+        usage=plan.usage(stream, *outputs),
+    )
+    return result.model_dump(mode="json")
+
+
+def _choice(
+    stream: WorkerStream,
+    plan: ChatPlan,
+    index: int,
+    output: Output,
+    entries: list[worker_pb2.TokenLogprob],
+) -> schemas.ChatCompletionChoice:
     output.finish()
     merged = output.merged
     calls = [
@@ -168,18 +198,14 @@ async def _collect(
     message = schemas.ChatCompletionMessage(content=content, tool_calls=calls or None)
     if plan.reasoning:
         message.reasoning_content = merged.reasoning
-    result = schemas.ChatCompletion(
-        id=rid,
-        created=created,
-        model=model,
-        choices=[
-            schemas.ChatCompletionChoice(
-                index=0, message=message, finish_reason=finish_reason(stream.final, len(calls))
-            )
-        ],
-        usage=plan.usage(stream, output),
+    return schemas.ChatCompletionChoice(
+        index=index,
+        message=message,
+        finish_reason=finish_reason(stream.finals.get(index), len(calls)),
+        logprobs=schemas.ChoiceLogprobs.model_validate(lp.chat_logprobs(entries))
+        if plan.generate.sampling.logprobs
+        else None,
     )
-    return result.model_dump(mode="json")
 
 
 def _delta_chunk(d: Delta) -> dict[str, Any]:
@@ -207,24 +233,41 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     out = sse.Chunks(rid, "chat.completion.chunk", created, model, include_usage)
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return out.choice({"delta": delta}, finish)
+    def chunk(
+        index: int,
+        delta: dict[str, Any],
+        finish: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> bytes:
+        return out.choice({"delta": delta}, finish, logprobs, index)
 
-    output = plan.output()
+    outputs = plan.outputs()
     try:
-        yield chunk({"role": "assistant", "content": ""})
+        for i in range(len(outputs)):
+            yield chunk(i, {"role": "assistant", "content": ""})
         async for msg in stream:
-            for d in output.feed(msg):
-                yield chunk(_delta_chunk(d))
-        for d in output.finish():
-            yield chunk(_delta_chunk(d))
-        yield chunk({}, finish_reason(stream.final, output.calls))
+            i = msg.index
+            # A message's logprobs ride on its first chunk (an empty delta if it adds none).
+            logprobs = lp.chat_logprobs(msg.logprobs) if msg.logprobs else None
+            for d in outputs[i].feed(msg):
+                yield chunk(i, _delta_chunk(d), logprobs=logprobs)
+                logprobs = None
+            if logprobs is not None:
+                yield chunk(i, {}, logprobs=logprobs)
+            if msg.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED:
+                yield chunk(i, {}, finish_reason(msg, outputs[i].calls))
+        for i, output in enumerate(outputs):
+            if i not in stream.finals:  # the stream ended early: flush what was held back
+                for d in output.finish():
+                    yield chunk(i, _delta_chunk(d))
+                yield chunk(i, {}, finish_reason(None, output.calls))
         if include_usage:
-            yield out.usage(plan.usage(stream, output).model_dump())
+            yield out.usage(plan.usage(stream, *outputs).model_dump())
         yield sse.DONE
         stream.done = True
-        if output.calls:
-            stream.ctx.metrics.tool_calls.labels(plan.mode.value).inc(output.calls)
+        calls = sum(o.calls for o in outputs)
+        if calls:
+            stream.ctx.metrics.tool_calls.labels(plan.mode.value).inc(calls)
     except errors.APIError as e:
         stream.done = True
         yield sse.event(e.body())

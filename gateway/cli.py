@@ -6,7 +6,7 @@ import argparse
 import signal
 from pathlib import Path
 
-from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_BYTES
+from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 from maskwire.discovery import add_refresh_argument
 from maskwire.tls import TLSConfigError, add_client_tls_arguments, client_tls_from_args
 
@@ -62,6 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_JSON_DEPTH,
         help="deepest nesting of a request body, and of JSON sent as text in a field (a schema, "
         "tool-call arguments) (default 64; 400 past it)",
+    )
+    parser.add_argument(
+        "--max-n",
+        type=int,
+        default=DEFAULT_MAX_N,
+        help=f"most choices (`n`) per request (default {DEFAULT_MAX_N}; 400 past it; also "
+        "capped by the worker's max batch size)",
     )
     parser.add_argument(
         "--max-concurrency",
@@ -123,7 +130,13 @@ def run(args: argparse.Namespace) -> int:
     from maskwire.logs import setup_logging
 
     setup_logging(args.log_level)
-    for name in ("max_body_bytes", "max_concurrency", "max_prompt_bytes", "max_json_depth"):
+    for name in (
+        "max_body_bytes",
+        "max_concurrency",
+        "max_prompt_bytes",
+        "max_json_depth",
+        "max_n",
+    ):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
     if min(args.request_timeout_s, args.health_interval_s, args.health_timeout_s) <= 0:
@@ -166,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         health_timeout_s=args.health_timeout_s,
         max_prompt_bytes=args.max_prompt_bytes,
         max_json_depth=args.max_json_depth,
+        max_n=args.max_n,
         api_keys=tuple(api_keys),
         max_concurrency_per_key=args.max_concurrency_per_key,
         worker_tls=worker_tls,

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import constraints, errors, schemas, sse
+from gateway import logprobs as lp
 from gateway.generation import (
     Context,
     WorkerStream,
@@ -21,7 +22,7 @@ from gateway.generation import (
     respond,
     sampling,
 )
-from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_BYTES
+from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 from maskwire.text import truncate_echo
 from maskwire.v1 import worker_pb2
 
@@ -34,13 +35,21 @@ def plan_completion(
     *,
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
+    max_n: int = DEFAULT_MAX_N,
 ) -> tuple[worker_pb2.GenerateRequest, str | None]:
-    check_common(req)
+    n = check_common(req, info, max_n)
     if req.suffix:
         raise errors.unsupported("suffix")
     if req.best_of not in (None, 1):
         raise errors.unsupported("best_of", "only 1")
-    gen = worker_pb2.GenerateRequest(sampling=sampling(req, req.max_tokens), model=req.model)
+    params = sampling(
+        req, req.max_tokens, vocab=info.vocab_size, logprobs=lp.completion_request(req)
+    )
+    if params.logprobs and req.echo:
+        raise errors.unsupported(
+            "echo", "together with logprobs (prompt logprobs are not computed)"
+        )
+    gen = worker_pb2.GenerateRequest(sampling=params, model=req.model, n=n if n > 1 else 0)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -82,7 +91,11 @@ def _token_ids(prompt: list[Any], info: worker_pb2.ModelInfo) -> list[int]:
 async def handle(ctx: Context, request: Request, req: schemas.CompletionRequest) -> Response:
     info = await check_model(ctx, req.model)
     gen, param = plan_completion(
-        req, info, max_prompt_bytes=ctx.max_prompt_bytes, max_json_depth=ctx.max_json_depth
+        req,
+        info,
+        max_prompt_bytes=ctx.max_prompt_bytes,
+        max_json_depth=ctx.max_json_depth,
+        max_n=ctx.max_n,
     )
     rid = new_id("cmpl")
     gen.request_id = rid
@@ -95,20 +108,48 @@ async def handle(ctx: Context, request: Request, req: schemas.CompletionRequest)
         ENDPOINT,
         gen,
         param,
-        stream=(lambda s: _stream(s, rid, created, req.model, echo, include_usage))
+        stream=(lambda s: _stream(s, gen, rid, created, req.model, echo, include_usage))
         if req.stream
         else None,
-        collect=lambda s: _collect(s, rid, created, req.model, echo),
+        collect=lambda s: _collect(s, gen, rid, created, req.model, echo),
     )
 
 
+class _Choice:
+    """One choice's text and logprobs as its messages arrive."""
+
+    def __init__(self, echo: str) -> None:
+        self.parts = [echo]
+        self.offsets = lp.CompletionLogprobs(len(echo))
+        self.logprobs: list[dict[str, Any]] = []
+
+    def add(self, msg: worker_pb2.GenerateResponse, logprobs: bool) -> dict[str, Any] | None:
+        """The message's logprobs part (None without logprobs)."""
+        self.parts.append(msg.text)
+        if not logprobs:
+            return None
+        part = self.offsets.add(msg.logprobs)
+        self.logprobs.append(part)
+        return part
+
+
+def _n(gen: worker_pb2.GenerateRequest) -> int:
+    return max(1, gen.n)
+
+
 async def _collect(
-    stream: WorkerStream, rid: str, created: int, model: str, echo: str
+    stream: WorkerStream,
+    gen: worker_pb2.GenerateRequest,
+    rid: str,
+    created: int,
+    model: str,
+    echo: str,
 ) -> dict[str, Any]:
-    parts = [echo]
+    logprobs = gen.sampling.logprobs
+    choices = [_Choice(echo) for _ in range(_n(gen))]
     try:
         async for msg in stream:
-            parts.append(msg.text)
+            choices[msg.index].add(msg, logprobs)
     finally:
         await stream.aclose()
     result = schemas.Completion(
@@ -117,8 +158,16 @@ async def _collect(
         model=model,
         choices=[
             schemas.CompletionChoice(
-                index=0, text="".join(parts), finish_reason=finish_reason(stream.final)
+                index=i,
+                text="".join(c.parts),
+                finish_reason=finish_reason(stream.finals.get(i)),
+                logprobs=schemas.CompletionLogprobs.model_validate(
+                    lp.CompletionLogprobs.merge(c.logprobs)
+                )
+                if logprobs
+                else None,
             )
+            for i, c in enumerate(choices)
         ],
         usage=stream.usage(),
     )
@@ -127,6 +176,7 @@ async def _collect(
 
 async def _stream(
     stream: WorkerStream,
+    gen: worker_pb2.GenerateRequest,
     rid: str,
     created: int,
     model: str,
@@ -134,17 +184,28 @@ async def _stream(
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
     out = sse.Chunks(rid, "text_completion", created, model, include_usage)
+    logprobs = gen.sampling.logprobs
+    choices = [_Choice(echo) for _ in range(_n(gen))]
 
-    def chunk(text: str, finish: str | None = None) -> bytes:
-        return out.choice({"text": text}, finish)
+    def chunk(
+        index: int, text: str, finish: str | None = None, logprobs: dict[str, Any] | None = None
+    ) -> bytes:
+        return out.choice({"text": text}, finish, logprobs, index)
 
     try:
         if echo:
-            yield chunk(echo)
+            for i in range(len(choices)):
+                yield chunk(i, echo)
         async for msg in stream:
-            if msg.text:
-                yield chunk(msg.text)
-        yield chunk("", finish_reason(stream.final))
+            i = msg.index
+            part = choices[i].add(msg, logprobs)
+            if msg.text or (part is not None and msg.logprobs):
+                yield chunk(i, msg.text, logprobs=part)
+            if msg.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED:
+                yield chunk(i, "", finish_reason(msg))
+        for i in range(len(choices)):
+            if i not in stream.finals:
+                yield chunk(i, "", finish_reason(None))
         if include_usage:
             yield out.usage(stream.usage().model_dump())
         yield sse.DONE

@@ -15,15 +15,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import errors, schemas, sse
-from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_PROMPT_BYTES
+from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 from gateway.metrics import GatewayMetrics
 from gateway.workers import WorkerPool
-from maskwire.text import utf8_len
+from maskwire.text import truncate_echo, utf8_len
 from maskwire.v1 import common_pb2, worker_pb2
 
 T = TypeVar("T")
 
 MAX_STOP_STRINGS = 4
+MAX_LOGIT_BIAS = 300  # OpenAI's limit, and the worker's fixed per-row bias buffer
 # SamplingParams' uint32 fields: larger values mean "no limit" here, so they are clamped (the
 # worker caps max_tokens to the context room anyway) instead of overflowing the proto.
 _UINT32_MAX = 2**32 - 1
@@ -97,6 +98,7 @@ class Context:
     request_timeout_s: float
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+    max_n: int = DEFAULT_MAX_N
     chat_template: str | None = None  # template source overriding the model's
     tool_call_parser: str | None = None  # `--tool-call-parser`; None: the template decides
 
@@ -105,18 +107,47 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def check_common(req: schemas._SamplingFields) -> None:
-    """Refuse, with a 400 naming the field, what this server cannot honour."""
-    if req.n not in (None, 1):
-        raise errors.unsupported("n", "only n=1")
-    if req.logprobs not in (None, False):
-        raise errors.unsupported("logprobs")
-    if req.presence_penalty not in (None, 0):
-        raise errors.unsupported("presence_penalty", "only 0")
-    if req.frequency_penalty not in (None, 0):
-        raise errors.unsupported("frequency_penalty", "only 0")
-    if req.logit_bias:
-        raise errors.unsupported("logit_bias")
+def check_common(req: schemas._SamplingFields, info: worker_pb2.ModelInfo, max_n: int) -> int:
+    """Refuse, with a 400 naming the field, what this server cannot honour; returns `n`."""
+    n = req.n or 1
+    if n > max_n:
+        raise errors.bad_request(
+            f"`n` is {n}; this server allows at most {max_n} (the gateway's --max-n)", "n"
+        )
+    if info.max_batch_size and n > info.max_batch_size:
+        raise errors.bad_request(
+            f"`n` is {n}; the worker decodes at most {info.max_batch_size} sequences at once",
+            "n",
+        )
+    return n
+
+
+def logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
+    """`logit_bias` as token ids: at most 300 entries, ids in the vocabulary, biases in
+    [-100, 100] (OpenAI's limits); 400 naming the field otherwise."""
+    if not bias:
+        return {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise errors.bad_request(
+            f"`logit_bias` has {len(bias)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias"
+        )
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab:
+            raise errors.bad_request(
+                f"`logit_bias` key {truncate_echo(repr(key))} is not a token id in [0, {vocab})",
+                "logit_bias",
+            )
+        if not -100 <= value <= 100:
+            raise errors.bad_request(
+                f"`logit_bias` value for token {token} must be in [-100, 100]", "logit_bias"
+            )
+        out[token] = out.get(token, 0.0) + value
+    return out
 
 
 def check_prompt_bytes(prompt: str, limit: int, param: str) -> None:
@@ -143,8 +174,14 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 def sampling(
-    req: schemas._SamplingFields, max_tokens: int | None, extra_stop: Sequence[str] = ()
+    req: schemas._SamplingFields,
+    max_tokens: int | None,
+    extra_stop: Sequence[str] = (),
+    *,
+    vocab: int,
+    logprobs: tuple[bool, int] = (False, 0),
 ) -> worker_pb2.SamplingParams:
+    """The worker's sampling parameters; `logprobs` is (on, top_logprobs)."""
     params = worker_pb2.SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=req.top_p or 0.0,
@@ -152,6 +189,15 @@ def sampling(
         max_tokens=min(max_tokens or 0, _UINT32_MAX),
         stop=[*stop_list(req.stop), *extra_stop],
         ignore_eos=bool(req.ignore_eos),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty or 0.0,
+        logit_bias=logit_bias(req.logit_bias, vocab),
+        logprobs=logprobs[0],
+        top_logprobs=logprobs[1],
+        logprobs_mode=worker_pb2.LOGPROBS_MODE_RAW
+        if req.logprobs_mode == "raw"
+        else worker_pb2.LOGPROBS_MODE_PROCESSED,
     )
     if req.seed is not None:
         params.seed = req.seed % 2**64
@@ -205,7 +251,8 @@ class WorkerStream:
         self.endpoint = endpoint
         self.gen = gen
         self.first: worker_pb2.GenerateResponse | None = None
-        self.final: worker_pb2.GenerateResponse | None = None
+        self.final: worker_pb2.GenerateResponse | None = None  # the last choice's last message
+        self.finals: dict[int, worker_pb2.GenerateResponse] = {}  # by choice index
         self.headers: dict[str, str] = {}
         self.started = time.monotonic()
         self.done = False  # the HTTP response was written to the end (incl. an error event)
@@ -246,6 +293,7 @@ class WorkerStream:
     def _check(self, msg: worker_pb2.GenerateResponse) -> worker_pb2.GenerateResponse:
         if msg.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED:
             self.final = msg
+            self.finals[msg.index] = msg
             if msg.finish_reason not in _FINISH_OK:
                 if msg.finish_reason == worker_pb2.FINISH_REASON_ABORT:
                     raise errors.APIError(
@@ -263,7 +311,8 @@ class WorkerStream:
                     )
                 raise errors.internal(f"generation failed: {msg.error or 'unknown error'}")
             usage = msg.usage
-            self.ctx.metrics.tokens.labels("prompt").inc(usage.prompt_tokens)
+            if len(self.finals) == 1:  # every choice's usage counts the one prompt
+                self.ctx.metrics.tokens.labels("prompt").inc(usage.prompt_tokens)
             self.ctx.metrics.tokens.labels("completion").inc(usage.completion_tokens)
         return msg
 
@@ -273,11 +322,14 @@ class WorkerStream:
             await aclose()
 
     def usage(self) -> schemas.Usage:
-        u = self.final.usage if self.final is not None else worker_pb2.Usage()
+        """OpenAI's usage: the prompt once, the completion tokens of every choice summed."""
+        finals = list(self.finals.values())
+        prompt = finals[0].usage.prompt_tokens if finals else 0
+        completion = sum(f.usage.completion_tokens for f in finals)
         return schemas.Usage(
-            prompt_tokens=u.prompt_tokens,
-            completion_tokens=u.completion_tokens,
-            total_tokens=u.prompt_tokens + u.completion_tokens,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
         )
 
 

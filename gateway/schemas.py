@@ -168,17 +168,31 @@ class _SamplingFields(_Request):
     model: str = Field(..., description="The served model's id (see `GET /v1/models`).")
     temperature: float | None = Field(None, ge=0, le=2, description="Default 1; 0 is greedy.")
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = Field(None, ge=1, description="Only 1 is supported.")
+    n: int | None = Field(
+        None, ge=1, description="Choices to generate (default 1; at most the gateway's --max-n)."
+    )
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(
         None, description="Up to 4 strings; generation stops before them."
     )
     seed: int | None = Field(None, description="Sampling seed (any integer; taken modulo 2**64).")
-    logprobs: Any = Field(None, description="Not supported (400 when requested).")
-    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0 is supported.")
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0 is supported.")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported unless empty.")
+    logprobs: Any = Field(
+        None,
+        description="Chat: true for the tokens' log-probabilities. Completions: the number of "
+        "alternatives per token (0-20), 0 for the tokens' own only.",
+    )
+    presence_penalty: float | None = Field(
+        None, ge=-2, le=2, description="Subtracted once from every token already in the output."
+    )
+    frequency_penalty: float | None = Field(
+        None, ge=-2, le=2, description="Subtracted per occurrence in the output so far."
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description="Token id (as a string) -> bias in [-100, 100] added to its logit; at most "
+        "300. A token the constraint forbids stays forbidden.",
+    )
     user: str | None = Field(None, description="Ignored.")
     response_format: ResponseFormat | None = None
     # Extensions (vLLM-compatible, via `extra_body`).
@@ -186,6 +200,18 @@ class _SamplingFields(_Request):
         None, description="Extension: constrain the output with a regex, choice or grammar."
     )
     top_k: int | None = Field(None, ge=0, description="Extension: keep the k most likely tokens.")
+    repetition_penalty: float | None = Field(
+        None,
+        gt=0,
+        le=2,
+        description="Extension: logits of tokens in the prompt or output are divided by it "
+        "(positive ones) or multiplied (negative ones); 1 is off.",
+    )
+    logprobs_mode: Literal["processed", "raw"] | None = Field(
+        None,
+        description="maskwire: `processed` (default) reports the distribution the token was "
+        "drawn from (penalties, bias, grammar mask, temperature); `raw` the model's own.",
+    )
     ignore_eos: bool | None = Field(None, description="Extension: keep going past end-of-text.")
     guided_json: dict[str, Any] | str | None = Field(None, description="Extension (legacy vLLM).")
     guided_regex: str | None = Field(None, description="Extension (legacy vLLM).")
@@ -204,7 +230,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(
         None, ge=1, description="Most tokens to generate (default: up to the context limit)."
     )
-    top_logprobs: int | None = Field(None, description="Not supported.")
+    top_logprobs: int | None = Field(
+        None, description="Alternatives per token (0-20); needs `logprobs: true`."
+    )
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = Field(
         None, description='Default "auto" when `tools` are given, else "none".'
@@ -227,11 +255,29 @@ class ChatCompletionMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str = Field(..., description="The token's text (`bytes:\\xNN...` if not UTF-8 alone).")
+    logprob: float
+    bytes: list[int] = Field(..., description="The token's bytes.")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+    forced: bool = Field(
+        False, description="maskwire: the grammar forced this token (not sampled; logprob 0)."
+    )
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+    refusal: None = None
+
+
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatCompletionMessage
     finish_reason: Literal["stop", "length", "tool_calls"] | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -266,6 +312,9 @@ class ChatCompletionChunkChoice(BaseModel):
     index: int
     delta: ChoiceDelta
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    logprobs: ChoiceLogprobs | None = Field(
+        None, description="With `logprobs`: the tokens this chunk adds."
+    )
 
 
 class ChatCompletionChunk(BaseModel):
@@ -293,11 +342,21 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(None, ge=1, description="Only 1 is supported.")
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+    forced: list[bool] = Field(
+        ..., description="maskwire: per token, whether the grammar forced it (logprob 0)."
+    )
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):

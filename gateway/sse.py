@@ -52,10 +52,16 @@ class Chunks:
             "choices": choices,
         }
 
-    def choice(self, fields: dict[str, Any], finish_reason: str | None = None) -> bytes:
-        """A chunk with one choice (index 0) holding `fields` (a chat `delta` or a `text`)."""
+    def choice(
+        self,
+        fields: dict[str, Any],
+        finish_reason: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+        index: int = 0,
+    ) -> bytes:
+        """A chunk with one choice holding `fields` (a chat `delta` or a `text`)."""
         body = self._envelope(
-            [{"index": 0, **fields, "logprobs": None, "finish_reason": finish_reason}]
+            [{"index": index, **fields, "logprobs": logprobs, "finish_reason": finish_reason}]
         )
         if self.include_usage:
             body["usage"] = None

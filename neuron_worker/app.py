@@ -31,10 +31,10 @@ WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
 def engine_config(
-    args: argparse.Namespace, model_max_seq: int, *, bucketed: bool = True
+    args: argparse.Namespace, model_max_seq: int, *, bucketed: bool = True, overlap: bool = True
 ) -> EngineConfig:
     """EngineConfig from the CLI flags (limits checked, buckets resolved); `bucketed`: forward
-    shapes padded to the buckets (XLA) rather than dynamic."""
+    shapes padded to the buckets (XLA) rather than dynamic; `overlap` as resolved by tuning."""
     if args.max_batch_size < 1:
         raise SystemExit("--max-batch-size must be >= 1")
     if args.max_queue < 0:
@@ -66,7 +66,7 @@ def engine_config(
         token_buckets=tuple(sorted({1, *parse_buckets(args.token_buckets, max_seq, 1)})),
         bucketed=bucketed,
         structured_outputs=args.structured_outputs,
-        overlap=args.overlap,
+        overlap=overlap,
         jump_forward=args.jump_forward,
     )
 
@@ -93,6 +93,7 @@ async def serve(
         quantize=args.quantize,
         warmup=args.warmup,
         compile_cache=args.compile_cache,
+        overlap=args.overlap,
     )
     cache = use_compile_cache(tuning.compile_cache) if tuning.compile else None
     log.info("worker settings: %s; %d threads", tuning.describe(), torch.get_num_threads())
@@ -107,7 +108,12 @@ async def serve(
         quantize_rows=args.max_batch_size,  # every decode pass
     )
     model.eval()
-    config = engine_config(args, int(model.config.max_seq_len), bucketed=backend.name == "xla")
+    config = engine_config(
+        args,
+        int(model.config.max_seq_len),
+        bucketed=backend.name == "xla",
+        overlap=tuning.overlap,
+    )
     model_name = str(model.config.name)
     sampler = Sampler(
         vocab_size=tokenizer.vocab_size,

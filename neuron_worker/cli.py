@@ -128,8 +128,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overlap",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="overlap the grammar round trip with the forward pass (default on)",
+        default=None,
+        help="overlap the grammar round trip with the forward pass; forced tokens then need a "
+        "pass of their own (default: on for cuda and xla, off on cpu, where a forward takes far "
+        "longer than the round trip it would hide)",
     )
     p.add_argument(
         "--grammar-timeout-s",

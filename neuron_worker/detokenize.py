@@ -30,6 +30,14 @@ class Detokenizer:
         self._held = ""  # decoded text not yet released (might start a stop string)
         self.stopped: str | None = None
 
+    def fresh(self) -> Detokenizer:
+        """A new detokenizer with the same tokenizer and stop strings."""
+        return Detokenizer(self._token_bytes, self._stop)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The tokenizer's bytes of one token."""
+        return self._token_bytes(token_id)
+
     def feed(self, token_ids: Sequence[int]) -> Delta:
         """Add tokens; return the text that is now safe to release."""
         if self.stopped is not None:

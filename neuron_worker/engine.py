@@ -37,7 +37,8 @@ from neuron_worker.backends import Backend
 from neuron_worker.grammar_client import GrammarClient, GrammarRequest, RowOutcome
 from neuron_worker.graphs import CompileCounter, ForwardRunner, Pass, StepModel
 from neuron_worker.metrics import Metrics
-from neuron_worker.request import Request, State
+from neuron_worker.penalties import OccurrenceTable, PenaltyTensors
+from neuron_worker.request import Request, State, TokenLogprob
 from neuron_worker.scheduler import Scheduler, pow2_buckets
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,40 @@ _EMPTY_LANGUAGE = RpcError(
 
 
 class SamplerLike(Protocol):
+    """What the engine needs of :class:`neuron_worker.sampler.Sampler`."""
+
     def __call__(self, logits: Tensor, packed_mask: Tensor | None, params: Any) -> Tensor: ...
+
+    def penalize(
+        self, logits: Tensor, counts: Tensor, prompt_seen: Tensor, params: PenaltyTensors
+    ) -> Tensor: ...
+
+    def logprobs(
+        self,
+        raw: Tensor,
+        processed: Tensor,
+        packed_mask: Tensor | None,
+        temperature: Tensor,
+        tokens: Tensor,
+        raw_mode: Tensor,
+    ) -> Any: ...
+
+
+_PAD_ROW: dict[str, float] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "offset": 0}
+
+
+@dataclass
+class _Extras:
+    """A step's optional sampler work: penalties (occurrences to count first, slots whose table
+    row starts over) and logprobs. Empty for steps where no row asks for them."""
+
+    penalties: dict[str, list[Any]]
+    count: list[tuple[int, int]]
+    reset: list[tuple[int, list[int]]]
+    slots: list[int]
+    raw_mode: list[bool]
+    any_penalty: bool = False
+    any_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -141,6 +175,7 @@ class Engine:
             seq_buckets=config.seq_buckets if config.bucketed else (),
         )
         self.compiles = CompileCounter(self.metrics.compiled_while_serving)
+        self.occurrences: OccurrenceTable | None = None  # allocated with the KV cache
         self._eos_index: Tensor | None = None
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maskwire-device")
         self._wake = asyncio.Event()
@@ -156,6 +191,11 @@ class Engine:
 
     def _setup_caches(self) -> None:
         self.model.setup_caches(self.config.max_batch + 1, self.config.max_seq_len)
+        self.occurrences = OccurrenceTable(
+            slots=self.config.max_batch + 1,
+            logits_size=self.logits_size,
+            device=self.backend.device,
+        )
         # Materialise weights and caches (XLA: pending loader ops would otherwise become part of
         # the first forward graph, which then never matches a later step's graph).
         self.backend.mark_step()
@@ -187,49 +227,67 @@ class Engine:
         Raises RpcError: RESOURCE_EXHAUSTED (queue full), ALREADY_EXISTS (live id), the grammar
         service's compile errors, UNAVAILABLE (no grammar replica), FAILED_PRECONDITION.
         """
+        return await self.submit_group([req])
+
+    async def submit_group(self, reqs: Sequence[Request]) -> list[str]:
+        """Queue the choices of one call (n > 1) together, each with its own grammar session:
+        all or none are queued, and they are admitted together so their prompt is prefilled
+        once. Returns the first choice's grammar warnings; raises as :meth:`submit`."""
         if self.draining:
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
-        if req.request_id in self.requests:
-            raise RpcError(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id {req.request_id!r} is already live on this worker",
-                [("request_id", "must be unique among live requests")],
-            )
-        self._check_queue()
-        warnings: list[str] = []
-        if req.constraint is not None:
-            if not self.config.structured_outputs or self.grammar is None:
+        for req in reqs:
+            if req.request_id in self.requests:
                 raise RpcError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    "this worker was started with --disable-structured-outputs; restart it with "
-                    "--enable-structured-outputs (and --grammar-service HOST:PORT) to use constraints",
-                    [("constraint", "structured outputs are disabled on this worker")],
-                    reason="STRUCTURED_OUTPUTS_DISABLED",
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"request_id {req.request_id!r} is already live on this worker",
+                    [("request_id", "must be unique among live requests")],
                 )
-            req.grammar = GrammarRequest(
-                request_id=req.request_id,
-                constraint=req.constraint,
-                options=grammar_pb2.RequestOptions(
-                    reasoning_end_marker=req.reasoning_end_marker,
-                    jump_forward=self.config.jump_forward,
-                ),
-            )
-            self.requests[req.request_id] = req  # reserve the id while the grammar compiles
-            try:
-                warnings = await self.grammar.open(req.grammar)
-                self._check_queue()
-            except BaseException:
+        self._check_queue(len(reqs))
+        warnings: list[str] = []
+        opened: list[Request] = []
+        try:
+            for req in reqs:
+                if req.constraint is not None:
+                    w = await self._open_grammar(req, opened)
+                    warnings = warnings or w
+            self._check_queue(len(reqs))
+        except BaseException:
+            for req in opened:
                 self.requests.pop(req.request_id, None)
-                self.grammar.close(req.grammar)
-                raise
-        self.scheduler.enqueue(req)
-        self.requests[req.request_id] = req
+                if self.grammar is not None and req.grammar is not None:
+                    self.grammar.close(req.grammar)
+            raise
+        for req in reqs:
+            self.scheduler.enqueue(req)
+            self.requests[req.request_id] = req
         self.metrics.queue(self.scheduler.queue_depth, len(self.scheduler.running))
         self._wake.set()
         return warnings
 
-    def _check_queue(self) -> None:
-        if self.scheduler.queue_depth >= self.config.max_queue:
+    async def _open_grammar(self, req: Request, opened: list[Request]) -> list[str]:
+        if not self.config.structured_outputs or self.grammar is None:
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this worker was started with --disable-structured-outputs; restart it with "
+                "--enable-structured-outputs (and --grammar-service HOST:PORT) to use constraints",
+                [("constraint", "structured outputs are disabled on this worker")],
+                reason="STRUCTURED_OUTPUTS_DISABLED",
+            )
+        assert req.constraint is not None
+        req.grammar = GrammarRequest(
+            request_id=req.request_id,
+            constraint=req.constraint,
+            options=grammar_pb2.RequestOptions(
+                reasoning_end_marker=req.reasoning_end_marker,
+                jump_forward=self.config.jump_forward,
+            ),
+        )
+        self.requests[req.request_id] = req  # reserve the id while the grammar compiles
+        opened.append(req)
+        return await self.grammar.open(req.grammar)
+
+    def _check_queue(self, adding: int = 1) -> None:
+        if self.scheduler.queue_depth + adding > self.config.max_queue:
             raise RpcError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the worker's queue is full ({self.config.max_queue} waiting requests); retry later",
@@ -237,16 +295,25 @@ class Engine:
             )
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
-        """Stop a request: at once if it is waiting, at the next step boundary if running."""
+        """Stop a request (or every choice of an n > 1 call, by the call's id): at once if it is
+        waiting, at the next step boundary if running."""
         req = self.requests.get(request_id)
-        if req is None or req.finished:
-            return False
-        if req.state is State.WAITING:
-            self._finish(req, FR.FINISH_REASON_ABORT, error=reason)
-        else:
-            req.abort_reason = reason
-            self._wake.set()
-        return True
+        members = (
+            [req]
+            if req is not None
+            else [r for r in self.requests.values() if r.group == request_id]
+        )
+        found = False
+        for r in members:
+            if r.finished:
+                continue
+            found = True
+            if r.state is State.WAITING:
+                self._finish(r, FR.FINISH_REASON_ABORT, error=reason)
+            else:
+                r.abort_reason = reason
+                self._wake.set()
+        return found
 
     def _finish(
         self,
@@ -319,6 +386,9 @@ class Engine:
             res = await self.grammar.step([(r.grammar, []) for r in constrained])  # type: ignore[misc]
             outcomes = dict(zip(constrained, res, strict=True))
         rows: list[_Row] = []
+        # n > 1: the first choice of a call prefills; the others copy its K/V and logits.
+        leaders: dict[str, _Row] = {}
+        shared: list[tuple[_Row, _Row]] = []
         for req in reqs:
             out = outcomes.get(req)
             ff: list[int] = []
@@ -338,12 +408,25 @@ class Engine:
                 if out.finished:
                     self._finish(req, FR.FINISH_REASON_STOP)
                     continue
-            rows.append(_Row(req, req.prompt + ff, 0))
+            row = _Row(req, req.prompt + ff, 0)
+            leader = leaders.get(req.group) if req.group else None
+            if leader is not None and leader.tokens == row.tokens:
+                shared.append((row, leader))  # same prompt and forced tokens: no forward of its own
+                continue
+            rows.append(row)
+            if req.group:
+                leaders.setdefault(req.group, row)
         if not rows:
             return
         logits = await self._forward(rows, "prefill")
         for row in rows:
             row.req.cached = len(row.tokens)
+        if shared:
+            base = logits
+            logits = await self._on_device(lambda: self._share_prefill(base, rows, shared))
+            for row, _ in shared:
+                row.req.cached = len(row.tokens)
+            rows += [row for row, _ in shared]
         await self._sample_rows(rows, logits, outcomes)
         log.debug(
             "prefill of %d requests took %.1f ms", len(rows), 1e3 * (time.perf_counter() - started)
@@ -473,49 +556,78 @@ class Engine:
         compact = np.empty((n, self.words), dtype=np.int32)
         dest = np.full(n, n, dtype=np.int64)
         ban_eos = np.zeros(n, dtype=bool)
-        temperature, top_p, top_k, seed, offset = [], [], [], [], []
+        params: dict[str, list[Any]] = {k: [] for k in _PAD_ROW}
+        extras = _Extras(
+            penalties={k: [] for k in ("presence", "frequency", "repetition", "logit_bias")},
+            count=[],
+            reset=[],
+            slots=[],
+            raw_mode=[],
+        )
         m = 0
         for i, req in enumerate(reqs):
-            if req is None:
-                temperature.append(0.0)
-                top_p.append(1.0)
-                top_k.append(0)
-                seed.append(0)
-                offset.append(0)
+            if req is None:  # a greedy row whose token is ignored
+                for k, v in _PAD_ROW.items():
+                    params[k].append(v)
+                self._no_extras(extras)
                 continue
             s = req.sampling
-            temperature.append(s.temperature)
-            top_p.append(s.top_p)
-            top_k.append(s.top_k)
-            seed.append(s.seed)
-            offset.append(req.sampled)
+            params["temperature"].append(s.temperature)
+            params["top_p"].append(s.top_p)
+            params["top_k"].append(s.top_k)
+            params["seed"].append(s.seed)
+            params["offset"].append(req.sampled)
+            self._add_extras(extras, req)
             out = outcomes.get(req)
             if out is not None and out.mask is not None:
                 compact[m] = out.mask[0]
                 dest[m] = i
                 m += 1
             ban_eos[i] = s.ignore_eos and req.grammar is None
-        params: dict[str, list[Any]] = {
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-            "seed": seed,
-            "offset": offset,
-        }
 
-        def run() -> list[int]:
-            return self._run_sampler(logits, compact, dest, ban_eos, params)
+        def run() -> _Sampled:
+            return self._run_sampler(logits, compact, dest, ban_eos, params, extras)
 
         began = time.perf_counter()
-        tokens = await self._on_device(run)
+        result = await self._on_device(run)
         self.metrics.sample(time.perf_counter() - began)
         sampled = 0
-        for req, tok in zip(reqs, tokens, strict=False):
+        for i, (req, tok) in enumerate(zip(reqs, result.tokens, strict=False)):
             if req is None or req.finished:
                 continue
             sampled += 1
-            self._accept(req, tok)
+            self._accept(req, tok, result.logprobs[i] if result.logprobs else None)
         self.metrics.tokens(sampled, 0)
+
+    def _no_extras(self, extras: _Extras) -> None:
+        """A row without penalties or logprobs (or a padding row)."""
+        self._no_penalty(extras)
+        extras.raw_mode.append(False)
+
+    def _no_penalty(self, extras: _Extras) -> None:
+        for k, v in (("presence", 0.0), ("frequency", 0.0), ("repetition", 1.0)):
+            extras.penalties[k].append(v)
+        extras.penalties["logit_bias"].append({})
+        extras.slots.append(self.pad_slot)
+
+    def _add_extras(self, extras: _Extras, req: Request) -> None:
+        s = req.sampling
+        extras.raw_mode.append(s.raw_logprobs)
+        extras.any_logprobs = extras.any_logprobs or s.logprobs
+        if not s.penalized:
+            self._no_penalty(extras)
+            return
+        extras.any_penalty = True
+        extras.penalties["presence"].append(s.presence_penalty)
+        extras.penalties["frequency"].append(s.frequency_penalty)
+        extras.penalties["repetition"].append(s.repetition_penalty)
+        extras.penalties["logit_bias"].append(s.logit_bias)
+        extras.slots.append(req.slot)
+        if req.sampled == 0:  # the request's first sample: its table row starts over
+            extras.reset.append((req.slot, req.prompt))
+        # Output tokens since the last penalised sample (sampled and forced).
+        extras.count.extend((req.slot, t) for t in req.output[req.counted :])
+        req.counted = len(req.output)
 
     def _run_sampler(
         self,
@@ -524,10 +636,12 @@ class Engine:
         dest: np.ndarray,
         ban_eos: np.ndarray,
         params: dict[str, list[Any]],
-    ) -> list[int]:
-        """Device thread: one sampler graph for a batch bucket. The packed mask rows travel as
-        int32 and are reordered and unpacked on the device; every input has the same shape every
-        step (no mask tensor at all when structured outputs are disabled)."""
+        extras: _Extras | None = None,
+    ) -> _Sampled:
+        """Device thread: one sampler graph for a batch bucket (plus the penalty and logprob
+        graphs on steps where a row asks for them). The packed mask rows travel as int32 and are
+        reordered and unpacked on the device; every input has the same shape every step (no mask
+        tensor at all when structured outputs are disabled)."""
         n = int(logits.shape[0])
         pad = n - len(params["temperature"])
         backend = self.backend
@@ -556,9 +670,49 @@ class Engine:
                 n_rows=n,
                 device=backend.device,
             )
+            if (
+                extras is not None
+                and backend.name == "xla"
+                and (extras.any_penalty or extras.any_logprobs)
+            ):
+                # One graph kind with both (static graphs: no penalties x logprobs combinations).
+                extras.any_penalty = extras.any_logprobs = True
+            if extras is not None and extras.any_penalty:
+                lg = self._penalize(lg, extras, pad)
             out = self.sampler(lg, mask, tensors)
+            logprobs: list[TokenLogprob] = []
+            if extras is not None and extras.any_logprobs:
+                raw_mode = torch.tensor(extras.raw_mode + [False] * pad, dtype=torch.bool)
+                lp = self.sampler.logprobs(
+                    logits, lg, mask, tensors.temperature, out, backend.to_device(raw_mode)
+                )
+                backend.mark_step()
+                logprobs = _token_logprobs(lp.chosen, lp.top_ids, lp.top_logprobs)
             backend.mark_step()
-            return [int(x) for x in out.tolist()]
+            return _Sampled([int(x) for x in out.tolist()], logprobs)
+
+    def _penalize(self, logits: Tensor, extras: _Extras, pad: int) -> Tensor:
+        """Device thread: update the occurrence table, then penalise and bias the logits."""
+        table = self.occurrences
+        assert table is not None
+        for slot, prompt in extras.reset:
+            table.reset(slot, prompt)
+        table.add(extras.count)
+        # The updates' sizes vary (padded to powers of two): their own small graphs on XLA,
+        # never part of the sampler's.
+        self.backend.mark_step()
+        slots = torch.tensor(extras.slots + [self.pad_slot] * pad, dtype=torch.int64)
+        counts, seen = table.rows(self.backend.to_device(slots))
+        p = extras.penalties
+        params = PenaltyTensors.build(
+            presence=p["presence"] + [0.0] * pad,
+            frequency=p["frequency"] + [0.0] * pad,
+            repetition=p["repetition"] + [1.0] * pad,
+            logit_bias=p["logit_bias"] + [{}] * pad,
+            n_rows=int(logits.shape[0]),
+            device=self.backend.device,
+        )
+        return self.sampler.penalize(logits, counts, seen, params)
 
     # ------------------------------------------------------------------ warm-up
     async def warmup(self, on_graph: Callable[[str], None] | None = None) -> int:
@@ -600,7 +754,50 @@ class Engine:
                 self._run_sampler(lg, compact, dest, ban, params)
                 on_graph(f"sampler batch={n} {kind}")
                 count += 1
+                # With penalties and logprobs: their graphs (CPU/CUDA: once per bucket), or on
+                # XLA one sampler graph per kind that includes them.
+                lg = self.backend.to_device(logits)
+                self._run_sampler(lg, compact, dest, ban, params, self._warmup_extras(n))
+                on_graph(f"sampler batch={n} {kind} with penalties and logprobs")
+                count += 1
         return count
+
+    def _warmup_extras(self, n: int) -> _Extras:
+        """Penalties and logprobs for `n` padding rows (the pad slot, nothing penalised)."""
+        return _Extras(
+            penalties={
+                "presence": [0.0] * n,
+                "frequency": [0.0] * n,
+                "repetition": [1.0] * n,
+                "logit_bias": [{}] * n,
+            },
+            count=[(self.pad_slot, 0)],
+            reset=[],
+            slots=[self.pad_slot] * n,
+            raw_mode=[False] * n,
+            any_penalty=True,
+            any_logprobs=True,
+        )
+
+    def _share_prefill(
+        self, logits: Tensor, rows: list[_Row], shared: list[tuple[_Row, _Row]]
+    ) -> Tensor:
+        """Device thread: each follower's slot gets its leader's prompt K/V (copied up to the
+        sequence bucket), and the logits gain one row per follower, its leader's (padded to a
+        batch bucket the sampler takes)."""
+        position = {id(row): i for i, row in enumerate(rows)}
+        index = list(range(len(rows)))
+        for row, leader in shared:
+            length = self.forward.shape(1, 1, len(row.tokens))[2]
+            self.model.copy_slot(leader.req.slot, row.req.slot, length)
+            index.append(position[id(leader)])
+        total = self.forward.shape(len(index), 1, 1)[0]
+        index += [0] * (total - len(index))
+        with self.backend.inference_mode():
+            idx = self.backend.to_device(torch.tensor(index, dtype=torch.int64))
+            out = logits.index_select(0, idx)
+            self.backend.mark_step()
+        return out
 
     def _replace(self, logits: Tensor, ff_logits: Tensor, dst: list[int]) -> Tensor:
         """Device thread: batch rows `dst` take the logits of jump-forward rows 0..len(dst)-1, as
@@ -616,7 +813,7 @@ class Engine:
         return out
 
     # ------------------------------------------------------------------ token bookkeeping
-    def _accept(self, req: Request, tok: int) -> None:
+    def _accept(self, req: Request, tok: int, logprob: TokenLogprob | None = None) -> None:
         """A sampled token: end the request or make it the next step's pending token."""
         req.sampled += 1
         if req.first_token_at is None:
@@ -634,15 +831,22 @@ class Engine:
         ):
             self._finish(req, FR.FINISH_REASON_STOP)
             return
-        if self._append(req, [tok], forced=False):
+        if self._append(req, [tok], forced=False, logprob=logprob):
             return
         req.pending = tok
 
-    def _append(self, req: Request, tokens: list[int], *, forced: bool) -> bool:
+    def _append(
+        self,
+        req: Request,
+        tokens: list[int],
+        *,
+        forced: bool,
+        logprob: TokenLogprob | None = None,
+    ) -> bool:
         """Add tokens within the request's limits; True when the request finished."""
         room = min(req.sampling.max_tokens - len(req.output), self.config.max_seq_len - req.seq_len)
         take = tokens[: max(room, 0)]
-        stop = req.append(take, forced=forced) if take else None
+        stop = req.append(take, forced=forced, logprob=logprob) if take else None
         if forced:
             self.metrics.tokens(0, len(take))
         if stop is not None:
@@ -656,3 +860,21 @@ class Engine:
             self._finish(req, FR.FINISH_REASON_LENGTH)
             return True
         return False
+
+
+@dataclass
+class _Sampled:
+    """One sampling step's tokens (batch order) and, when a row asked, their logprobs."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob]
+
+
+def _token_logprobs(chosen: Tensor, top_ids: Tensor, top_lp: Tensor) -> list[TokenLogprob]:
+    """Device tensors to per-row host values (one transfer each)."""
+    ids = top_ids.tolist()
+    lps = top_lp.tolist()
+    return [
+        TokenLogprob(float(c), tuple(zip(i, lp, strict=True)))
+        for c, i, lp in zip(chosen.tolist(), ids, lps, strict=True)
+    ]

@@ -44,6 +44,8 @@ class StepModel(Protocol):
 
     def setup_caches(self, max_batch: int, max_seq: int) -> None: ...
 
+    def copy_slot(self, src: int, dst: int, length: int) -> None: ...
+
     def step_logits(
         self,
         tokens: Tensor,

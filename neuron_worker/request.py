@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from maskwire.rpc import RpcError
@@ -31,6 +32,31 @@ class Sampling:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    raw_logprobs: bool = False  # the model's distribution instead of the processed one
+
+    @property
+    def penalized(self) -> bool:
+        """True when the sampler must run the penalty graph for this request."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and its best alternatives (ids and logprobs)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 OutputItem = worker_pb2.GenerateResponse | RpcError
@@ -52,6 +78,11 @@ class Request:
     constraint: common_pb2.Constraint | None = None
     reasoning_end_marker: str = ""
     arrival: float = field(default_factory=time.monotonic)
+    # n > 1: the Generate call's id (messages carry it) and this choice's index; the group's
+    # requests share `outputs`, are admitted together and prefill the prompt once.
+    group: str = ""
+    index: int = 0
+    group_size: int = 1
 
     grammar: GrammarRequest | None = None  # set when the request is constrained
     state: State = State.WAITING
@@ -62,12 +93,14 @@ class Request:
     forced_tokens: int = 0
     forward_passes: int = 0
     sampled: int = 0  # tokens drawn by the sampler (the sampler's per-request offset)
+    counted: int = 0  # output tokens already in the penalty occurrence table
     abort_reason: str | None = None  # set by Abort / cancellation; acted on between steps
     first_token_at: float | None = None
     outputs: asyncio.Queue[OutputItem] = field(default_factory=asyncio.Queue)
     # Token ids and text not yet sent to the client.
     _unsent_ids: list[int] = field(default_factory=list)
     _unsent_text: list[str] = field(default_factory=list)
+    _unsent_logprobs: list[worker_pb2.TokenLogprob] = field(default_factory=list)
 
     @property
     def constrained(self) -> bool:
@@ -82,11 +115,25 @@ class Request:
         """Prompt plus generated tokens."""
         return len(self.prompt) + len(self.output)
 
-    def append(self, tokens: list[int], *, forced: bool) -> str | None:
-        """Add generated tokens; returns the stop string if one matched."""
+    def append(
+        self,
+        tokens: list[int],
+        *,
+        forced: bool,
+        logprob: TokenLogprob | None = None,
+    ) -> str | None:
+        """Add generated tokens; returns the stop string if one matched. With logprobs on,
+        ``logprob`` is the sampled token's (forced tokens get 0)."""
         self.output.extend(tokens)
         if forced:
             self.forced_tokens += len(tokens)
+        if self.sampling.logprobs:
+            self._unsent_logprobs.extend(
+                _logprob_entry(
+                    t, forced, logprob, self.detok.token_bytes, self.sampling.top_logprobs
+                )
+                for t in tokens
+            )
         self._unsent_ids.extend(tokens)
         delta = self.detok.feed(tokens)
         if delta.text:
@@ -98,10 +145,15 @@ class Request:
         if not self._unsent_ids and not self._unsent_text:
             return None
         msg = worker_pb2.GenerateResponse(
-            request_id=self.request_id, token_ids=self._unsent_ids, text="".join(self._unsent_text)
+            request_id=self.group or self.request_id,
+            index=self.index,
+            token_ids=self._unsent_ids,
+            text="".join(self._unsent_text),
+            logprobs=self._unsent_logprobs,
         )
         self._unsent_ids = []
         self._unsent_text = []
+        self._unsent_logprobs = []
         return msg
 
     def final_message(
@@ -113,7 +165,9 @@ class Request:
             tail = self.detok.flush().text
             if tail:
                 self._unsent_text.append(tail)
-        msg = self.flush_message() or worker_pb2.GenerateResponse(request_id=self.request_id)
+        msg = self.flush_message() or worker_pb2.GenerateResponse(
+            request_id=self.group or self.request_id, index=self.index
+        )
         msg.finish_reason = reason  # type: ignore[assignment]
         msg.stop_string = stop_string
         msg.error = error
@@ -126,3 +180,26 @@ class Request:
             )
         )
         return msg
+
+
+def _logprob_entry(
+    token: int,
+    forced: bool,
+    logprob: TokenLogprob | None,
+    token_bytes: Callable[[int], bytes],
+    top: int,
+) -> worker_pb2.TokenLogprob:
+    """The wire entry of one generated token: forced tokens have logprob 0 and only themselves
+    as alternative; a sampled token's alternatives are its best `top`, forbidden ones left out."""
+    text = token_bytes(token)
+    entry = worker_pb2.TokenLogprob(token_id=token, token=text, forced=forced)
+    if forced or logprob is None:
+        if top:
+            entry.top_logprobs.add(token_id=token, token=text, logprob=0.0)
+        return entry
+    entry.logprob = logprob.logprob
+    for tid, lp in logprob.top[:top]:
+        if lp == float("-inf"):
+            break
+        entry.top_logprobs.add(token_id=tid, token=token_bytes(tid), logprob=lp)
+    return entry

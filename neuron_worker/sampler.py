@@ -29,15 +29,19 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from neuron_worker.logprobs import TOP_WIDTH, token_logprobs
 from neuron_worker.masks import (
     mask_dest_index,
     scatter_mask_rows,
     unpack_mask,
     words_per_row,
 )
+from neuron_worker.penalties import PenaltyTensors, apply_penalties
 
 __all__ = [
     "NO_TOKEN",
+    "TOP_WIDTH",
+    "Logprobs",
     "Mode",
     "Sampler",
     "SamplingTensors",
@@ -260,6 +264,16 @@ def _inverse_cdf_columns(x: Tensor, peak: Tensor, t: Tensor, u: Tensor) -> Tenso
 SampleFn = Callable[..., Tensor]
 
 
+@dataclass
+class Logprobs:
+    """Log-probabilities of one sampling step, ``[N]`` and ``[N, TOP_WIDTH]`` (see
+    :func:`neuron_worker.logprobs.token_logprobs`)."""
+
+    chosen: Tensor
+    top_ids: Tensor
+    top_logprobs: Tensor
+
+
 def _allow_graphs_per_function(count: int) -> None:
     """Dynamo keeps every graph of one code object in one cache whose size is capped (8 by
     default); past the cap a ``fullgraph`` function fails hard. Every sampler graph (mode x
@@ -318,9 +332,16 @@ class Sampler:
         options: dict[str, str | int | bool | Callable[..., object]] = {}
         if cpu_threads and self.device.type == "cpu":
             options["cpp.threads"] = cpu_threads
+
+        def build(fn: Callable[..., object]) -> Callable[..., object]:
+            return torch.compile(fn, fullgraph=True, options=options) if compile else fn
+
         for mode in MODES:
-            fn = functools.partial(sample_tokens, vocab_size=vocab_size, mode=mode)
-            self._fns[mode] = torch.compile(fn, fullgraph=True, options=options) if compile else fn
+            self._fns[mode] = build(  # type: ignore[assignment]
+                functools.partial(sample_tokens, vocab_size=vocab_size, mode=mode)
+            )
+        self._penalize = build(apply_penalties)
+        self._logprobs = build(functools.partial(token_logprobs, vocab_size=vocab_size))
         self._warm: set[tuple[Mode, int]] = set()
 
     def all_ones_mask(self, n_rows: int) -> Tensor:
@@ -356,16 +377,62 @@ class Sampler:
             params.seed.to(torch.int64).contiguous(),
             params.offset.to(torch.int64).contiguous(),
         ]
+        self._mark_rows(n, args)
+        with self._no_grad():
+            return self._fns[params.mode](*args)
+
+    def _mark_rows(self, n: int, args: Sequence[Tensor | None]) -> None:
+        """One graph per function serves every bucket >= 2 (the batch dimension is symbolic;
+        the generated kernels loop over rows, so nothing is lost), and N = 1 gets its own
+        static graph: 2 compilations per function instead of one per bucket, which matters
+        when a cold CPU compile of a sampling graph takes tens of seconds."""
         if self.compile and n >= 2 and self.max_rows > 2:
-            # One graph per mode serves every bucket >= 2 (the batch dimension is symbolic; the
-            # generated kernels loop over rows, so nothing is lost), and N = 1 gets its own
-            # static graph: 2 compilations per mode instead of one per bucket, which matters
-            # when a cold CPU compile of a sampling graph takes tens of seconds.
             for a in args:
                 if a is not None:
                     torch._dynamo.mark_dynamic(a, 0, min=2, max=self.max_rows)
+
+    def penalize(
+        self, logits: Tensor, counts: Tensor, prompt_seen: Tensor, params: PenaltyTensors
+    ) -> Tensor:
+        """Repetition penalties and logit bias (:func:`apply_penalties`): float32 ``[N, L]``
+        logits for :meth:`__call__`. Run only for steps where some row has penalties."""
+        args = [
+            logits.to(torch.float32).contiguous(),
+            counts.to(torch.int32).contiguous(),
+            prompt_seen.to(torch.bool).contiguous(),
+            params.presence.contiguous(),
+            params.frequency.contiguous(),
+            params.repetition.contiguous(),
+            params.bias_ids.contiguous(),
+            params.bias_values.contiguous(),
+        ]
+        self._mark_rows(logits.shape[0], args)
         with self._no_grad():
-            return self._fns[params.mode](*args)
+            return self._penalize(*args)  # type: ignore[return-value]
+
+    def logprobs(
+        self,
+        raw: Tensor,
+        processed: Tensor,
+        packed_mask: Tensor | None,
+        temperature: Tensor,
+        tokens: Tensor,
+        raw_mode: Tensor,
+    ) -> Logprobs:
+        """Log-probabilities of the sampled ``tokens`` and the top :data:`TOP_WIDTH` tokens
+        (:func:`token_logprobs`). Run only for steps where some row asked for logprobs."""
+        args = [
+            raw.to(torch.float32).contiguous(),
+            processed.to(torch.float32).contiguous(),
+            packed_mask.contiguous() if packed_mask is not None else None,
+            temperature.to(torch.float32).contiguous(),
+            tokens.to(torch.int64).contiguous(),
+            raw_mode.to(torch.bool).contiguous(),
+        ]
+        self._mark_rows(raw.shape[0], args)
+        with self._no_grad():
+            out: tuple[Tensor, Tensor, Tensor] = self._logprobs(*args)  # type: ignore[assignment]
+        return Logprobs(*out)
 
     def _no_grad(self) -> contextlib.AbstractContextManager[object]:
         """Grad mode and the inputs' dispatch keys (inference tensors or not) are part of every
@@ -397,5 +464,24 @@ class Sampler:
                     device=self.device,
                 )
                 assert params.mode == mode
-                self(logits, mask, params)
+                tokens = self(logits, mask, params)
                 self._warm.add((mode, n))
+            self._warm_extras(logits, mask, tokens)
+
+    def _warm_extras(self, logits: Tensor, mask: Tensor | None, tokens: Tensor) -> None:
+        """The penalty and logprob graphs of one batch bucket."""
+        n = logits.shape[0]
+        counts = torch.zeros(n, self.logits_size, dtype=torch.int32, device=self.device)
+        seen = torch.zeros(n, self.logits_size, dtype=torch.bool, device=self.device)
+        pen = PenaltyTensors.build(
+            presence=[0.0] * n,
+            frequency=[0.0] * n,
+            repetition=[1.0] * n,
+            logit_bias=[{}] * n,
+            n_rows=n,
+            device=self.device,
+        )
+        processed = self.penalize(logits, counts, seen, pen)
+        temperature = torch.ones(n, dtype=torch.float32, device=self.device)
+        raw_mode = torch.zeros(n, dtype=torch.bool, device=self.device)
+        self.logprobs(logits, processed, mask, temperature, tokens, raw_mode)

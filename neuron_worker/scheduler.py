@@ -91,17 +91,30 @@ class Scheduler:
         """Move waiting requests into free slots, FIFO, within the prefill token budget."""
         admitted: list[Request] = []
         longest = 0
+        prefill_rows = 0
         while self.waiting and self._free_slots:
             req = self.waiting[0]
+            # The choices of an n > 1 call are admitted together (one prefill row for them all).
+            group = [req]
+            while (
+                req.group
+                and len(group) < len(self.waiting)
+                and self.waiting[len(group)].group == req.group
+            ):
+                group.append(self.waiting[len(group)])
+            if len(group) > len(self._free_slots):
+                break
             longest_next = max(longest, len(req.prompt))
-            rows = self.batch_bucket(len(admitted) + 1)
+            rows = self.batch_bucket(min(prefill_rows + 1, self.batch_buckets[-1]))
             if admitted and rows * prefill_len(longest_next) > self.max_prefill_tokens:
                 break
-            self.waiting.popleft()
-            req.slot = self._free_slots.pop()
-            req.state = State.RUNNING
-            self.running.append(req)
-            admitted.append(req)
+            for member in group:
+                self.waiting.popleft()
+                member.slot = self._free_slots.pop()
+                member.state = State.RUNNING
+                self.running.append(member)
+                admitted.append(member)
+            prefill_rows += 1
             longest = longest_next
         return admitted
 

@@ -9,6 +9,7 @@ import secrets
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import grpc
 
@@ -19,6 +20,8 @@ from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
 from neuron_worker.detokenize import Detokenizer
 from neuron_worker.engine import Engine
+from neuron_worker.logprobs import TOP_WIDTH
+from neuron_worker.penalties import BIAS_WIDTH
 from neuron_worker.request import Request, Sampling
 
 log = logging.getLogger(__name__)
@@ -62,18 +65,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         done = False
         try:
             req = await self._build(request)
-            await self.engine.submit(req)
+            choices = _choices(req, request.n)
+            await self.engine.submit_group(choices)
             if debug_payloads():
                 log.debug("generate %s: %d prompt tokens", req.request_id, len(req.prompt))
             # The schema's enforcement report rides on the first message.
             report = req.grammar.report if req.grammar is not None else None
+            left = len(choices)
             while True:
                 item = await req.outputs.get()
                 if isinstance(item, RpcError):
                     done = True
                     raise item
                 if item.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED:
-                    done = True
+                    left -= 1
+                    done = left == 0
                 if report is not None:
                     item.schema_report.CopyFrom(report)
                     report = None
@@ -85,9 +91,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.engine.metrics.rejected(e.code.name)
             await e.abort(context)
         finally:
-            # Client went away (or the handler failed): free the KV slot and grammar state.
+            # Client went away (or the handler failed): free the KV slots and grammar state.
             if req is not None and not done:
-                self.engine.abort(req.request_id, "client cancelled the call")
+                self.engine.abort(req.group or req.request_id, "client cancelled the call")
 
     async def _build(self, msg: worker_pb2.GenerateRequest) -> Request:
         """Validate a GenerateRequest into an engine Request (INVALID_ARGUMENT / NOT_FOUND).
@@ -121,6 +127,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             stop=tuple(x for x in s.stop if x),
             stop_token_ids=frozenset(int(t) for t in s.stop_token_ids),
             ignore_eos=bool(s.ignore_eos),
+            presence_penalty=float(s.presence_penalty),
+            frequency_penalty=float(s.frequency_penalty),
+            repetition_penalty=float(s.repetition_penalty) or 1.0,
+            logit_bias={int(k): float(v) for k, v in s.logit_bias.items() if v},
+            logprobs=bool(s.logprobs),
+            top_logprobs=int(s.top_logprobs),
+            raw_logprobs=s.logprobs_mode == worker_pb2.LOGPROBS_MODE_RAW,
         )
         constraint = msg.constraint if msg.HasField("constraint") else None
         return Request(
@@ -199,6 +212,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             bad.append(("sampling.stop_token_ids", f"at most {vocab} ids"))
         elif any(t < 0 or t >= vocab for t in s.stop_token_ids):
             bad.append(("sampling.stop_token_ids", f"every id must be in [0, {vocab})"))
+        bad += _check_penalties(s, vocab)
+        max_n = self.engine.config.max_batch
+        if msg.n > max_n:
+            bad.append(("n", f"at most {max_n} (the worker's max batch size)"))
         constraint = msg.constraint if msg.HasField("constraint") else None
         if constraint is not None and constraint.WhichOneof("kind") is None:
             bad.append(("constraint", "set exactly one kind (json_schema, regex, lark, ...)"))
@@ -235,3 +252,57 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             tokenizer=tok.fingerprint.to_proto(),
             max_batch_size=self.engine.config.max_batch,
         )
+
+
+def _in_range(value: float, low: float, high: float) -> bool:
+    return low <= value <= high and not math.isnan(value)
+
+
+def _check_penalties(s: worker_pb2.SamplingParams, vocab: int) -> list[FieldViolation]:
+    """Penalties, logit bias and logprobs of `SamplingParams`."""
+    bad: list[FieldViolation] = []
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not _in_range(getattr(s, name), -2.0, 2.0):
+            bad.append((f"sampling.{name}", "must be in [-2, 2]"))
+    if not _in_range(s.repetition_penalty, 0.0, 2.0):
+        bad.append(("sampling.repetition_penalty", "must be in (0, 2] (0 means 1: off)"))
+    if len(s.logit_bias) > BIAS_WIDTH:
+        bad.append(("sampling.logit_bias", f"at most {BIAS_WIDTH} entries"))
+    elif any(not 0 <= k < vocab for k in s.logit_bias):
+        bad.append(("sampling.logit_bias", f"token ids must be in [0, {vocab})"))
+    elif any(not _in_range(v, -100.0, 100.0) for v in s.logit_bias.values()):
+        bad.append(("sampling.logit_bias", "biases must be in [-100, 100]"))
+    if s.top_logprobs > TOP_WIDTH:
+        bad.append(("sampling.top_logprobs", f"at most {TOP_WIDTH}"))
+    elif s.top_logprobs and not s.logprobs:
+        bad.append(("sampling.top_logprobs", "needs sampling.logprobs"))
+    if s.logprobs_mode not in worker_pb2.LogprobsMode.values():
+        bad.append(("sampling.logprobs_mode", "unknown mode"))
+    return bad
+
+
+def _choices(first: Request, n: int) -> list[Request]:
+    """The requests of a call's `n` choices: `first` and copies with seeds `seed + i`, sharing
+    one output queue (messages say their `index`)."""
+    if n <= 1:
+        return [first]
+    first.group, first.group_size = first.request_id, n
+    first.request_id = f"{first.group}/0"
+    out = [first]
+    for i in range(1, n):
+        sampling = replace(first.sampling, seed=(first.sampling.seed + i) % 2**64)
+        out.append(
+            Request(
+                request_id=f"{first.group}/{i}",
+                prompt=list(first.prompt),
+                sampling=sampling,
+                detok=first.detok.fresh(),
+                constraint=first.constraint,
+                reasoning_end_marker=first.reasoning_end_marker,
+                group=first.group,
+                index=i,
+                group_size=n,
+                outputs=first.outputs,
+            )
+        )
+    return out

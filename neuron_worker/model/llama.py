@@ -68,6 +68,11 @@ class KVCache(nn.Module):
         self.k_cache[slots, :, pos] = k
         self.v_cache[slots, :, pos] = v
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Positions [0, length) of slot `src` into slot `dst` (a shared prompt)."""
+        self.k_cache[dst, :, :length] = self.k_cache[src, :, :length]
+        self.v_cache[dst, :, :length] = self.v_cache[src, :, :length]
+
 
 def _identity(x: Tensor) -> Tensor:
     return x
@@ -328,6 +333,13 @@ class Transformer(nn.Module):
                 layer, x, cos, sin, mask, write_slots, write_pos, cache_slots, kv_len
             )
         return self.norm(x)
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the K/V of positions [0, length) of cache slot `src` into slot `dst`: a prompt
+        prefilled once serves several requests (n > 1). `length` is best a sequence bucket, so
+        a static-shape backend sees few copy shapes."""
+        for cache in self.kv_caches():
+            cache.copy_prefix(src, dst, length)
 
     def step_logits(
         self,

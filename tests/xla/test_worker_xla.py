@@ -23,7 +23,8 @@ BUCKETS = [
     "--max-seq-len", "128", "--seq-buckets", "128", "--token-buckets", "1,8,128",
 ]  # fmt: skip
 FORWARD_GRAPHS = 2 * 3 * 1  # batch x token x kv buckets
-SAMPLER_GRAPHS = 2 * 3  # batch buckets x (greedy, sample, top-k/top-p)
+# batch buckets x (greedy, sample, top-k/top-p) x (plain, with penalties and logprobs)
+SAMPLER_GRAPHS = 2 * 3 * 2
 REPLACE_GRAPHS = 3  # (batch, jump-forward rows): (1,1), (2,1), (2,2)
 
 

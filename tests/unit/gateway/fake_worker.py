@@ -57,23 +57,40 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         reply = self.reply(request)
         if reply.error is not None:
             context.abort_with_status(rpc_status.to_status(reply.error.to_status()))
+        n = max(1, request.n)
         for i, text in enumerate(reply.chunks):
             if reply.delay_s:
                 time.sleep(reply.delay_s)
             if not context.is_active():
                 self.cancelled.append(request.request_id)
                 return
-            last = i == len(reply.chunks) - 1
-            msg = worker_pb2.GenerateResponse(request_id=request.request_id, text=text)
-            msg.token_ids.extend([100 + i])
-            if i == 0 and reply.schema_report is not None:
-                msg.schema_report.CopyFrom(reply.schema_report)
-            if last:
-                msg.finish_reason = reply.finish  # type: ignore[assignment]
-                msg.error = reply.error_text
-                msg.usage.prompt_tokens = reply.prompt_tokens
-                msg.usage.completion_tokens = len(reply.chunks)
-            yield msg
+            for index in range(n):  # n > 1: the choices' messages interleave, same text
+                yield self._message(request, reply, i, text, index)
+
+    def _message(
+        self, request: worker_pb2.GenerateRequest, reply: Reply, i: int, text: str, index: int
+    ) -> worker_pb2.GenerateResponse:
+        last = i == len(reply.chunks) - 1
+        msg = worker_pb2.GenerateResponse(request_id=request.request_id, text=text, index=index)
+        msg.token_ids.extend([100 + i])
+        if request.sampling.logprobs:
+            # Scripted: the i-th chunk is one token, logprob -(i+1)/2; odd ones forced.
+            entry = msg.logprobs.add(
+                token_id=100 + i,
+                token=text.encode(),
+                logprob=0.0 if i % 2 else -(i + 1) / 2,
+                forced=bool(i % 2),
+            )
+            for k in range(request.sampling.top_logprobs):
+                entry.top_logprobs.add(token_id=k, token=b"t%d" % k, logprob=-k - 0.25)
+        if i == 0 and index == 0 and reply.schema_report is not None:
+            msg.schema_report.CopyFrom(reply.schema_report)
+        if last:
+            msg.finish_reason = reply.finish  # type: ignore[assignment]
+            msg.error = reply.error_text
+            msg.usage.prompt_tokens = reply.prompt_tokens
+            msg.usage.completion_tokens = len(reply.chunks)
+        return msg
 
     def Abort(
         self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext

@@ -336,9 +336,12 @@ def test_generation_failure_mid_stream(client: openai.OpenAI, fake: FakeWorkerSe
 @pytest.mark.parametrize(
     ("kw", "param"),
     [
-        ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"n": 9}, "n"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"tool_choice": "required"}, "tool_choice"),
         (

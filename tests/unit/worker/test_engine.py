@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import numpy as np
@@ -51,6 +52,11 @@ class FakeModel:
 
     def setup_caches(self, max_batch: int, max_seq: int) -> None:
         self.cache = np.full((max_batch, max_seq), -1, dtype=np.int64)
+        self.copies: list[tuple[int, int, int]] = []
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        self.cache[dst, :length] = self.cache[src, :length]
+        self.copies.append((src, dst, length))
 
     def step_logits(
         self,
@@ -304,3 +310,140 @@ async def test_aborting_constrained_requests_frees_grammar_and_slots() -> None:
         assert sorted(engine.scheduler._free_slots) == [0, 1, 2, 3]
     finally:
         await engine.stop()
+
+
+async def collect_logprobs(req: Request) -> tuple[list[int], list[worker_pb2.TokenLogprob]]:
+    ids: list[int] = []
+    entries: list[worker_pb2.TokenLogprob] = []
+    while True:
+        msg = await req.outputs.get()
+        assert not isinstance(msg, RpcError), msg
+        ids += list(msg.token_ids)
+        entries += list(msg.logprobs)
+        if msg.finish_reason:
+            return ids, entries
+
+
+async def test_logprobs_of_sampled_and_forced_tokens() -> None:
+    """One entry per token: forced tokens say so with logprob 0; a sampled token's logprob is
+    its share of the fake model's one-hot logits (greedy: temperature 1), and it leads its
+    alternatives."""
+    engine, _ = make_engine(overlap=True)
+    await engine.start()
+    try:
+        r = request(0, constrained=True)
+        r.sampling = Sampling(max_tokens=12, logprobs=True, top_logprobs=3)
+        plain = request(1, constrained=False)  # no logprobs: its messages carry none
+        for q in (r, plain):
+            await engine.submit(q)
+        (ids, entries), (_, none) = await asyncio.gather(
+            collect_logprobs(r), collect_logprobs(plain)
+        )
+    finally:
+        await engine.stop()
+    assert ids == reference(r.prompt, 12, True, 9)
+    assert not none
+    assert [e.token_id for e in entries] == ids
+    want = 10.0 - float(torch.logsumexp(torch.tensor([10.0] + [0.0] * (V - 1)), 0))
+    for k, e in enumerate(entries):
+        assert e.token == TOK.token_bytes(e.token_id)
+        if k % 3 < 2:  # FF FF t FF t ...
+            assert e.forced and e.logprob == 0.0
+            assert [(t.token_id, t.logprob) for t in e.top_logprobs] == [(e.token_id, 0.0)]
+        else:
+            assert not e.forced and e.logprob == pytest.approx(want, abs=1e-4)
+            assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token_id == e.token_id
+
+
+async def test_logit_bias_and_penalties_change_the_tokens() -> None:
+    """A -100 bias on the model's choice moves the first token; a penalised request's slot in the
+    occurrence table counts its output (up to its last sample) and holds its prompt."""
+    engine, _ = make_engine(overlap=True)
+    await engine.start()
+    try:
+        base = request(0, constrained=False, max_tokens=4)
+        want = reference(base.prompt, 4, False, 9)
+        biased = request(0, constrained=False, max_tokens=4)
+        biased.sampling = Sampling(max_tokens=4, logit_bias={want[0]: -100.0})
+        await engine.submit(biased)
+        ids, _, _ = await collect(biased)
+        penalised = request(2, constrained=False, max_tokens=5)
+        penalised.sampling = Sampling(max_tokens=5, presence_penalty=0.5, repetition_penalty=1.5)
+        await engine.submit(penalised)
+        out, _, _ = await collect(penalised)
+    finally:
+        await engine.stop()
+    assert ids[0] != want[0]
+    # The fake's one-hot logit of 10 survives these penalties: same tokens as without them.
+    assert out == reference(penalised.prompt, 5, False, 9)
+    table = engine.occurrences
+    assert table is not None
+    rows = [s for s in range(table.counts.shape[0]) if int(table.counts[s].sum()) == 4]
+    assert rows, "no slot counted the 4 tokens sampled before the last one"
+    slot = rows[0]
+    for t in set(out[:4]):
+        assert int(table.counts[slot, t]) == out[:4].count(t)
+    assert table.prompt_seen[slot, penalised.prompt].all()
+
+
+async def collect_group(queue_owner: Request, n: int) -> dict[int, tuple[list[int], Any]]:
+    """Messages of an n-choice call from their shared queue, by choice index."""
+    got: dict[int, tuple[list[int], Any]] = {i: ([], None) for i in range(n)}
+    left = n
+    while left:
+        msg = await queue_owner.outputs.get()
+        assert not isinstance(msg, RpcError), msg
+        ids, _ = got[msg.index]
+        ids += list(msg.token_ids)
+        if msg.finish_reason:
+            got[msg.index] = (ids, msg)
+            left -= 1
+    return got
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+async def test_n_choices_prefill_the_prompt_once(constrained: bool) -> None:
+    """Three choices: one prefill row, the others' slots get its K/V (the fake model would
+    diverge from the reference if a slot lacked the prompt), each choice its own grammar."""
+    from neuron_worker.servicer import _choices
+
+    engine, model = make_engine(overlap=True)
+    await engine.start()
+    try:
+        first = request(5, constrained=constrained)
+        first.request_id = "call"
+        choices = _choices(first, 3)
+        assert [c.request_id for c in choices] == ["call/0", "call/1", "call/2"]
+        assert len({c.sampling.seed for c in choices}) == 3
+        await engine.submit_group(choices)
+        if constrained:
+            assert len({id(c.grammar) for c in choices}) == 3
+        got = await collect_group(first, 3)
+    finally:
+        await engine.stop()
+    want = reference(first.prompt, 12, constrained, 9)
+    for i in range(3):
+        ids, final = got[i]
+        assert ids == want, i
+        assert final.request_id == "call" and final.usage.prompt_tokens == len(first.prompt)
+    slots = {src for src, _, _ in model.copies}
+    assert len(model.copies) == 2 and len(slots) == 1
+    assert all(length >= len(first.prompt) for _, _, length in model.copies)
+
+
+async def test_abort_by_call_id_stops_every_choice() -> None:
+    from neuron_worker.servicer import _choices
+
+    engine, _ = make_engine(overlap=True)
+    await engine.start()
+    try:
+        first = request(1, constrained=False, max_tokens=200)
+        first.request_id = "long"
+        await engine.submit_group(_choices(first, 2))
+        await first.outputs.get()
+        assert engine.abort("long")
+        got = await collect_group(first, 2)
+    finally:
+        await engine.stop()
+    # The first message may have been one choice's delta; both end with ABORT.
+    assert {got[i][1].finish_reason for i in range(2)} == {worker_pb2.FINISH_REASON_ABORT}

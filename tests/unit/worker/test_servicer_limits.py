@@ -37,7 +37,7 @@ class CountingTokenizer:
 
 @pytest.fixture
 def servicer() -> Iterator[WorkerServicer]:
-    engine: Any = SimpleNamespace(config=SimpleNamespace(max_seq_len=MAX_SEQ))
+    engine: Any = SimpleNamespace(config=SimpleNamespace(max_seq_len=MAX_SEQ, max_batch=4))
     s = WorkerServicer(
         engine,
         CountingTokenizer(),  # type: ignore[arg-type]
@@ -135,3 +135,25 @@ async def test_tokenizing_leaves_the_event_loop_free(servicer: WorkerServicer) -
     # Tokenizing on the loop would block it for about `took`; a loaded machine adds some lag.
     bound = max(0.25, took / 2)
     assert max(gaps) < bound, f"event loop blocked {max(gaps):.2f}s of {took:.2f}s"
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"n": 5}, "n"),
+        ({"sampling": {"presence_penalty": 2.5}}, "sampling.presence_penalty"),
+        ({"sampling": {"repetition_penalty": 3.0}}, "sampling.repetition_penalty"),
+        ({"sampling": {"logit_bias": {TOK.vocab_size: 1.0}}}, "sampling.logit_bias"),
+        ({"sampling": {"logit_bias": {5: 101.0}}}, "sampling.logit_bias"),
+        ({"sampling": {"logit_bias": {i: 1.0 for i in range(301)}}}, "sampling.logit_bias"),
+        ({"sampling": {"logprobs": True, "top_logprobs": 21}}, "sampling.top_logprobs"),
+        ({"sampling": {"top_logprobs": 2}}, "sampling.top_logprobs"),
+    ],
+)
+async def test_sampling_extras_out_of_range_are_refused(
+    servicer: WorkerServicer, kw: dict[str, Any], field: str
+) -> None:
+    err = await refused(servicer, gen(**kw))
+    assert err.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert [v[0] for v in err.violations] == [field]
+    assert encoded(servicer) == 0

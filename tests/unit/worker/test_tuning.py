@@ -35,6 +35,9 @@ def test_the_default_on_a_bf16_cpu_is_compiled_bf16_int4_with_a_cache(bf16_cpu: 
     assert (t.dtype, t.compile, t.quantize, t.warmup) == (torch.bfloat16, True, "int4", True)
     assert t.compile_cache == tuning.default_compile_cache()
     assert "dtype bfloat16, compiled, quantize int4" in t.describe()
+    # a CPU forward dwarfs the grammar round trip: forced tokens ride with the sampled one
+    assert not t.overlap and "grammar overlap off" in t.describe()
+    assert settings(overlap=True).overlap
 
 
 def test_without_native_bf16_the_default_is_fp32_and_unquantized(
@@ -73,6 +76,7 @@ def test_flags_override_and_contradictions_are_refused(bf16_cpu: None) -> None:
 def test_xla_is_bucketed_eager_torch_with_warm_up() -> None:
     t = settings(device="xla")
     assert (t.dtype, t.compile, t.quantize, t.warmup) == (torch.float32, False, "none", True)
+    assert t.overlap and not settings(device="xla", overlap=False).overlap
 
 
 def test_a_usable_cache_directory_holds_inductors_caches(
