@@ -17,8 +17,8 @@ from neuron_worker.parallel import (
     shard_transformer,
 )
 from neuron_worker.parallel.decode import sample_generate
+from neuron_worker.parallel.launch import run_ranks
 from neuron_worker.parallel.runner import RankRunner
-from tests.unit.parallel.ranks import run_ranks
 
 RAW = "The capital of France is"
 CHAT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"

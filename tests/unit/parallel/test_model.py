@@ -18,10 +18,10 @@ from neuron_worker.parallel import (
     shard_transformer,
 )
 from neuron_worker.parallel.decode import sample_generate
+from neuron_worker.parallel.launch import run_ranks
 from neuron_worker.parallel.model import split_range
 from neuron_worker.parallel.runner import RankRunner
 from tests.unit.model.tiny import TINY, random_weights, tiny_config
-from tests.unit.parallel.ranks import run_ranks
 
 PROMPTS = torch.tensor([[5, 17, 3, 60, 8, 91], [2, 2, 40, 41, 42, 0]])
 # Uneven everywhere at TP = 2: 3 KV heads (2 + 1), 6 query heads, MLP 65 (33 + 32), vocab 100

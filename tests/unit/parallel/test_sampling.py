@@ -12,9 +12,9 @@ from torch import Tensor
 
 from maskwire.bitmask import words_per_row
 from neuron_worker.parallel import ProcessGroup, ShardedSampler, shard_mask_words, vocab_shards
+from neuron_worker.parallel.launch import run_ranks
 from neuron_worker.parallel.sampling import combine, local_candidates
 from neuron_worker.sampler import NO_TOKEN, Mode, sample_tokens
-from tests.unit.parallel.ranks import run_ranks
 from tests.unit.parallel.shards import params, simulate
 
 VOCAB = 300  # 10 words: 5 + 5 at TP = 2, 4 + 3 + 3 at TP = 3
