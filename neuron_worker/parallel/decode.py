@@ -11,7 +11,7 @@ import torch
 from neuron_worker.parallel.runner import RankRunner
 from neuron_worker.sampler import NO_TOKEN, SamplingTensors
 
-__all__ = ["sample_generate"]
+__all__ = ["batch_generate", "sample_generate"]
 
 
 def sample_generate(
@@ -58,4 +58,56 @@ def sample_generate(
             break
         tokens = torch.tensor([[token]])
         positions = torch.tensor([[n + len(out) - 1]])
+    return out
+
+
+def batch_generate(
+    runner: RankRunner,
+    prompts: Sequence[Sequence[int]],
+    steps: int,
+    *,
+    temperature: Sequence[float],
+    top_p: Sequence[float],
+    top_k: Sequence[int],
+    seed: Sequence[int],
+    mask: torch.Tensor | None = None,
+) -> list[list[int]]:
+    """Continuous batching in miniature: prompts of different lengths prefilled together (row i in
+    slot i, padding positions ``-1``), then ``steps`` decode steps for every row, each row with its
+    own sampling parameters; ``mask``: full-vocabulary packed rows ``[B, W]`` applied at every
+    step. Returns each row's tokens. Raises ``ValueError`` when a row has no allowed token."""
+    b = len(prompts)
+    width = max(len(p) for p in prompts)
+    if width + steps > runner.max_seq:
+        raise ValueError(f"prompt ({width}) + steps ({steps}) > {runner.max_seq}")
+    tokens = torch.zeros(b, width, dtype=torch.int64)
+    positions = torch.full((b, width), -1, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(list(p))
+        positions[i, : len(p)] = torch.arange(len(p))
+    lengths = torch.tensor([len(p) for p in prompts])
+    slots = torch.arange(b)
+    last = lengths - 1
+    out: list[list[int]] = [[] for _ in prompts]
+    for step in range(steps):
+        logits = runner.forward(tokens, positions, slots, last, runner.max_seq)
+        params = SamplingTensors.build(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            offset=[step] * b,
+            n_rows=b,
+            device=runner.device,
+        )
+        sampled = runner.sample(logits, mask, params).cpu()
+        if (sampled == NO_TOKEN).any():
+            raise ValueError(
+                f"no allowed token for rows {(sampled == NO_TOKEN).nonzero().tolist()}"
+            )
+        for i, t in enumerate(sampled.tolist()):
+            out[i].append(t)
+        tokens = sampled.unsqueeze(1)
+        positions = (lengths + step).unsqueeze(1)
+        last = torch.zeros(b, dtype=torch.int64)
     return out

@@ -17,7 +17,7 @@ from neuron_worker.parallel import (
     SingleRank,
     shard_transformer,
 )
-from neuron_worker.parallel.decode import sample_generate
+from neuron_worker.parallel.decode import batch_generate, sample_generate
 from neuron_worker.parallel.launch import run_ranks
 from neuron_worker.parallel.model import split_range
 from neuron_worker.parallel.runner import RankRunner
@@ -56,6 +56,7 @@ def _on_rank(group: ProcessGroup) -> dict[str, Any]:
         "even": _logits(TINY, group),
         "uneven": _logits(UNEVEN, group),
         "generate": _generate(group, UNEVEN),
+        "batch": _batch(group),
     }
 
 
@@ -106,6 +107,36 @@ def _generate(group: Collectives, config: ModelConfig) -> list[list[int]]:
         sample_generate(runner, prompt, 12, mask=ODD),
         sample_generate(runner, prompt, 12, temperature=1.0, seed=5, mask=ODD),
     ]
+
+
+def _batch(group: Collectives) -> list[list[int]]:
+    """Eight rows of different prompt lengths: greedy, seeded, top-k/top-p, half of them masked
+    to odd tokens."""
+    model = build_model(UNEVEN, random_weights(UNEVEN))
+    shard = shard_transformer(model, group)
+    model.setup_caches(8, 32)
+    runner = RankRunner(
+        model, ShardedSampler(shard=shard, vocab_size=UNEVEN.vocab_size, group=group)
+    )
+    prompts = [list(range(1 + i, 4 + 2 * i)) for i in range(8)]
+    mask = torch.full((8, ODD.shape[1]), -1, dtype=torch.int32)
+    mask[::2] = ODD
+    return batch_generate(
+        runner,
+        prompts,
+        8,
+        temperature=[0.0, 0.0, 1.0, 1.0, 0.7, 0.7, 1.2, 0.0],
+        top_p=[1.0, 1.0, 1.0, 1.0, 0.9, 1.0, 0.8, 1.0],
+        top_k=[0, 0, 0, 0, 0, 6, 4, 0],
+        seed=list(range(8)),
+        mask=mask,
+    )
+
+
+def test_a_batch_of_eight_equals_one_rank(ranks: list[dict[str, Any]]) -> None:
+    one = _batch(SingleRank())
+    assert all(t % 2 for row in one[::2] for t in row)
+    assert [r["batch"] for r in ranks] == [one, one]
 
 
 def test_generated_tokens_equal_one_rank_greedy_and_seeded(ranks: list[dict[str, Any]]) -> None:
