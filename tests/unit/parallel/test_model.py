@@ -31,11 +31,15 @@ UNEVEN = tiny_config(
 )
 
 
-def _logits(config: ModelConfig, group: Collectives) -> tuple[Tensor, Tensor]:
+def _logits(
+    config: ModelConfig, group: Collectives, *, serving: bool = False
+) -> tuple[Tensor, Tensor]:
     """Prefill logits of every prompt token and one decode step's logits, on this rank's
-    vocabulary slice."""
+    vocabulary slice; ``serving``: with the worker's linear kernels swapped in after sharding."""
     model = build_model(config, random_weights(config))
     shard_transformer(model, group)
+    if serving:
+        model.use_serving_linears()
     model.setup_caches(2, 16)
     with torch.inference_mode():
         b, t = PROMPTS.shape
@@ -55,6 +59,7 @@ def _on_rank(group: ProcessGroup) -> dict[str, Any]:
     return {
         "even": _logits(TINY, group),
         "uneven": _logits(UNEVEN, group),
+        "serving": _logits(UNEVEN, group, serving=True),
         "generate": _generate(group, UNEVEN),
         "batch": _batch(group),
     }
@@ -74,6 +79,15 @@ def test_sharded_logits_equal_the_full_model(
     prefill = torch.cat([r[name][0] for r in ranks], dim=-1)
     step = torch.cat([r[name][1] for r in ranks], dim=-1)
     assert prefill.shape == full_prefill.shape and ranks[0][name][0].shape[-1] == 64
+    torch.testing.assert_close(prefill, full_prefill, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step, full_step, rtol=1e-5, atol=1e-5)
+
+
+def test_serving_linears_work_on_the_shards(ranks: list[dict[str, Any]]) -> None:
+    full_prefill, full_step = _logits(UNEVEN, SingleRank())
+    prefill = torch.cat([r["serving"][0] for r in ranks], dim=-1)
+    step = torch.cat([r["serving"][1] for r in ranks], dim=-1)
+    # fp32 weights keep fp32 kernels in a ServingLinear: the same numbers as nn.Linear.
     torch.testing.assert_close(prefill, full_prefill, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(step, full_step, rtol=1e-5, atol=1e-5)
 
