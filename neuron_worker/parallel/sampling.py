@@ -173,7 +173,7 @@ def _filtered(
     k = candidates
     values = gathered[:, :, 5 : 5 + k].permute(1, 0, 2).reshape(b, world * k)
     ids = gathered[:, :, 5 + k :].permute(1, 0, 2).reshape(b, world * k)
-    # Stable: equal values keep rank order, i.e. lower ids first, whatever the world size.
+    # Stable: equal values keep rank order (lower vocabulary slices first).
     values, order = values.sort(dim=-1, descending=True, stable=True)
     values, ids = values[:, :k], ids.gather(1, order)[:, :k].long()
     t = torch.where(temperature > 0, temperature, 1.0).unsqueeze(1).double()
