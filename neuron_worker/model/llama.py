@@ -74,6 +74,10 @@ class KVCache(nn.Module):
         self.v_cache[dst, :, :length] = self.v_cache[src, :, :length]
 
 
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half RoPE (Hugging Face layout). x: [B, T, H, D]; cos, sin: [B, T, 1, D]."""
     half = x.shape[-1] // 2
@@ -93,6 +97,9 @@ class Attention(nn.Module):
         )
         self.wo: nn.Module = nn.Linear(config.q_size, config.dim, bias=False)
         self.kv_cache: KVCache | None = None
+        # Sums the partial outputs of a row-parallel `wo` across a tensor-parallel group
+        # (`neuron_worker.parallel`); the identity on one device.
+        self.reduce: Callable[[Tensor], Tensor] = _identity
 
     def forward(
         self,
@@ -125,7 +132,7 @@ class Attention(nn.Module):
         q = q.view(b, t, kvh, group, hd).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * t, hd)
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         y = y.view(b, kvh, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, self.n_heads * hd)
-        return self.wo(y)
+        return self.reduce(self.wo(y))
 
 
 class FeedForward(nn.Module):
@@ -136,10 +143,11 @@ class FeedForward(nn.Module):
         self.ffn_dim = config.ffn_dim
         self.w13: nn.Module = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
         self.w2: nn.Module = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        self.reduce: Callable[[Tensor], Tensor] = _identity  # as `Attention.reduce`, for `w2`
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.reduce(self.w2(F.silu(gate) * up))
 
 
 class TransformerBlock(nn.Module):
