@@ -17,6 +17,7 @@ from maskwire.tls import ClientTLS, server_tls_mode
 from maskwire.tokenizer import load_tokenizer
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
 from neuron_worker.backends import create_backend
+from neuron_worker.drafter import DraftConfig
 from neuron_worker.engine import Engine, EngineConfig
 from neuron_worker.grammar_client import GrammarClient
 from neuron_worker.metrics import Metrics
@@ -68,7 +69,20 @@ def engine_config(
         structured_outputs=args.structured_outputs,
         overlap=args.overlap,
         jump_forward=args.jump_forward,
+        speculative=draft_config(args),
     )
+
+
+def draft_config(args: argparse.Namespace) -> DraftConfig | None:
+    """The drafter's settings from `--speculative` and its flags (None: speculation off)."""
+    if getattr(args, "speculative", "none") == "none":
+        return None
+    try:
+        return DraftConfig(
+            num_draft_tokens=args.num_draft_tokens, min_n=args.ngram_min, max_n=args.ngram_max
+        )
+    except ValueError as e:
+        raise SystemExit(f"--speculative ngram: {e}") from None
 
 
 async def serve(
@@ -112,7 +126,9 @@ async def serve(
     sampler = Sampler(
         vocab_size=tokenizer.vocab_size,
         logits_size=int(model.config.vocab_size),
-        max_rows=max(2, config.batch_buckets[-1]),
+        # Verification passes sample every draft position: 1 + K logits rows per request.
+        max_rows=max(2, config.batch_buckets[-1])
+        * (1 + (config.speculative.num_draft_tokens if config.speculative else 0)),
         device=backend.device,
         structured_outputs=config.structured_outputs,
         compile=backend.compile_enabled,

@@ -130,6 +130,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             detok=Detokenizer(self.tokenizer.token_bytes, sampling.stop),
             constraint=constraint,
             reasoning_end_marker=msg.reasoning_end_marker,
+            speculate=not msg.disable_speculation,
         )
 
     async def _prompt(
