@@ -111,6 +111,7 @@ def plan_chat(
         sampling=sampling(req, max_tokens, out.stop),
         model=req.model,
         reasoning_end_marker=marker,
+        disable_speculation=req.speculative is False,
     )
     if constraint is not None:
         generate.constraint.CopyFrom(constraint)

@@ -40,7 +40,11 @@ def plan_completion(
         raise errors.unsupported("suffix")
     if req.best_of not in (None, 1):
         raise errors.unsupported("best_of", "only 1")
-    gen = worker_pb2.GenerateRequest(sampling=sampling(req, req.max_tokens), model=req.model)
+    gen = worker_pb2.GenerateRequest(
+        sampling=sampling(req, req.max_tokens),
+        model=req.model,
+        disable_speculation=req.speculative is False,
+    )
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
