@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from pathlib import Path
 
 import grpc
 import torch
@@ -73,6 +74,18 @@ def engine_config(
     )
 
 
+def ranges_dir(cache: Path | None, args: argparse.Namespace) -> Path | None:
+    """The compile cache's subdirectory for this worker's symbolic size ranges (rows, sequence,
+    logits rows per row). torch's FX graph cache does not key on the ranges a dimension was
+    marked dynamic with, and a graph compiled for rows <= 8 carries that bound as a guard: loaded
+    by a worker whose rows go to 40, dynamo refuses it (ConstraintViolationError at warm-up)."""
+    if cache is None:
+        return None
+    spec = draft_config(args)
+    width = 1 + (spec.num_draft_tokens if spec else 0)
+    return cache / f"rows{args.max_batch_size}-seq{args.max_seq_len}-verify{width}"
+
+
 def draft_config(args: argparse.Namespace) -> DraftConfig | None:
     """The drafter's settings from `--speculative` and its flags (None: speculation off)."""
     if getattr(args, "speculative", "none") == "none":
@@ -108,7 +121,7 @@ async def serve(
         warmup=args.warmup,
         compile_cache=args.compile_cache,
     )
-    cache = use_compile_cache(tuning.compile_cache) if tuning.compile else None
+    cache = use_compile_cache(ranges_dir(tuning.compile_cache, args)) if tuning.compile else None
     log.info("worker settings: %s; %d threads", tuning.describe(), torch.get_num_threads())
     tokenizer = load_tokenizer(args.model)
     backend = create_backend(args.device, compile=tuning.compile)

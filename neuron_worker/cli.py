@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="keep compiled graphs here across restarts (default $XDG_CACHE_HOME/maskwire/compile; "
-        "'' for none)",
+        "'' for none); one subdirectory per batch size, context and draft width",
     )
     so = p.add_mutually_exclusive_group()
     so.add_argument(

@@ -9,6 +9,10 @@ One decode step, for the running requests (each holds the token it sampled last,
     reorder + unpack + mask + sample                      (device thread, compiled sampler)
     append, detokenize, stop checks, stream deltas        (event loop)
 
+With `--speculative ngram`, a step where some request has draft tokens runs as named stages
+instead (`_speculate`): plan drafts -> grammar checks them (serial) -> one verification forward
+over pending + forced + kept drafts -> sample every position -> commit the accepted run.
+
 New requests join between steps: their grammar answers its first Step before the prefill, so the
 prompt and the grammar's initial forced tokens go through the model in one prefill pass. Requests
 leave between steps (EOS, grammar end, stop string, length, abort, error), freeing their KV slot
@@ -642,7 +646,7 @@ class Engine:
         logits: Tensor,
         outcomes: dict[Request, RowOutcome],
     ) -> list[int]:
-        """Mask and sample every logits row: `positions[i]` = (request, j) for the request's
+        """(Stage 4 of a speculative step.) Mask and sample every logits row: `positions[i]` = (request, j) for the request's
         j-th sampling position of this step (its j-th mask row; random counter `sampled + j`),
         None for a row to ignore. Returns one token per logits row."""
         n = int(logits.shape[0])
