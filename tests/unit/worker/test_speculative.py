@@ -239,3 +239,55 @@ async def test_a_request_can_opt_out() -> None:
     [(ids, _, final)] = await run(spec, [r])
     assert len(ids) == 30 and final.usage.draft_tokens == 0
     assert spec.metrics.stats.draft_proposed == 0
+
+
+EOS = TOK.eos_token_ids[0]
+EOS_CYCLE = [*CYCLE[:3], EOS]
+
+
+def ends_with_eos(seq: Sequence[int]) -> int:
+    """Like `periodic`, on a cycle that passes through EOS."""
+    if sum(seq) % 5 == 0:
+        return next_token(seq)
+    last = seq[-1]
+    k = EOS_CYCLE.index(last) if last in EOS_CYCLE else -1
+    return EOS_CYCLE[(k + 1) % len(EOS_CYCLE)]
+
+
+@pytest.mark.parametrize("bucketed", [True, False], ids=["buckets", "dynamic"])
+async def test_a_draft_that_crosses_eos_ends_the_request_there(bucketed: bool) -> None:
+    """Prompts hold the cycle with its EOS, so drafts run through EOS: the request stops at the
+    EOS the model draws, exactly as without speculation, and the drafts after it are dropped."""
+
+    def workload() -> list[Request]:
+        reqs = []
+        for i in range(4):
+            r = make_request(i, constrained=False, max_tokens=40)
+            r.prompt = [*EOS_CYCLE[i % 4 :], *EOS_CYCLE, NORMAL[60 + i], EOS_CYCLE[0]]
+            reqs.append(r)
+        return reqs
+
+    plain, plain_model = make_engine(overlap=True, bucketed=bucketed)
+    plain_model.rule = ends_with_eos
+    want = await run(plain, workload())
+    spec, spec_model = make_engine(
+        overlap=True, bucketed=bucketed, speculative=DraftConfig(num_draft_tokens=4)
+    )
+    spec_model.rule = ends_with_eos
+    crossing: list[list[int]] = []
+    forward = spec._forward
+
+    async def spy(rows: list[Any], kind: str) -> torch.Tensor:
+        if kind == "verify":
+            crossing.extend(
+                d for row in rows if EOS in (d := row.tokens[len(row.tokens) - row.outputs + 1 :])
+            )
+        return await forward(rows, kind)
+
+    spec._forward = spy  # type: ignore[method-assign]
+    got = await run(spec, workload())
+    assert crossing, "no draft ran through EOS"
+    for (ids, text, final), (ids0, text0, final0) in zip(got, want, strict=True):
+        assert (ids, text, final.finish_reason) == (ids0, text0, final0.finish_reason)
+        assert EOS not in ids  # EOS ends the request; it is not part of the output
+    assert any(f.finish_reason == worker_pb2.FINISH_REASON_STOP for *_, f in got)
