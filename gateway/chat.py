@@ -121,6 +121,7 @@ def plan_chat(
         model=req.model,
         reasoning_end_marker=marker,
         n=n if n > 1 else 0,
+        disable_speculation=req.speculative is False,
     )
     if constraint is not None:
         generate.constraint.CopyFrom(constraint)

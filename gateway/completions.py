@@ -49,7 +49,12 @@ def plan_completion(
         raise errors.unsupported(
             "echo", "together with logprobs (prompt logprobs are not computed)"
         )
-    gen = worker_pb2.GenerateRequest(sampling=params, model=req.model, n=n if n > 1 else 0)
+    gen = worker_pb2.GenerateRequest(
+        sampling=params,
+        model=req.model,
+        n=n if n > 1 else 0,
+        disable_speculation=req.speculative is False,
+    )
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:

@@ -213,6 +213,11 @@ class _SamplingFields(_Request):
         "drawn from (penalties, bias, grammar mask, temperature); `raw` the model's own.",
     )
     ignore_eos: bool | None = Field(None, description="Extension: keep going past end-of-text.")
+    speculative: bool | None = Field(
+        None,
+        description="maskwire: false opts this request out of speculative decoding (on workers "
+        "started with --speculative; greedy outputs are the same either way).",
+    )
     guided_json: dict[str, Any] | str | None = Field(None, description="Extension (legacy vLLM).")
     guided_regex: str | None = Field(None, description="Extension (legacy vLLM).")
     guided_choice: list[str] | None = Field(None, description="Extension (legacy vLLM).")

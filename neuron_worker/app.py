@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from pathlib import Path
 
 import grpc
 import torch
@@ -17,6 +18,7 @@ from maskwire.tls import ClientTLS, server_tls_mode
 from maskwire.tokenizer import load_tokenizer
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
 from neuron_worker.backends import create_backend
+from neuron_worker.drafter import DraftConfig
 from neuron_worker.engine import Engine, EngineConfig
 from neuron_worker.grammar_client import GrammarClient
 from neuron_worker.metrics import Metrics
@@ -68,7 +70,32 @@ def engine_config(
         structured_outputs=args.structured_outputs,
         overlap=overlap,
         jump_forward=args.jump_forward,
+        speculative=draft_config(args),
     )
+
+
+def ranges_dir(cache: Path | None, args: argparse.Namespace) -> Path | None:
+    """The compile cache's subdirectory for this worker's symbolic size ranges (rows, sequence,
+    logits rows per row). torch's FX graph cache does not key on the ranges a dimension was
+    marked dynamic with, and a graph compiled for rows <= 8 carries that bound as a guard: loaded
+    by a worker whose rows go to 40, dynamo refuses it (ConstraintViolationError at warm-up)."""
+    if cache is None:
+        return None
+    spec = draft_config(args)
+    width = 1 + (spec.num_draft_tokens if spec else 0)
+    return cache / f"rows{args.max_batch_size}-seq{args.max_seq_len}-verify{width}"
+
+
+def draft_config(args: argparse.Namespace) -> DraftConfig | None:
+    """The drafter's settings from `--speculative` and its flags (None: speculation off)."""
+    if getattr(args, "speculative", "none") == "none":
+        return None
+    try:
+        return DraftConfig(
+            num_draft_tokens=args.num_draft_tokens, min_n=args.ngram_min, max_n=args.ngram_max
+        )
+    except ValueError as e:
+        raise SystemExit(f"--speculative ngram: {e}") from None
 
 
 async def serve(
@@ -95,7 +122,7 @@ async def serve(
         compile_cache=args.compile_cache,
         overlap=args.overlap,
     )
-    cache = use_compile_cache(tuning.compile_cache) if tuning.compile else None
+    cache = use_compile_cache(ranges_dir(tuning.compile_cache, args)) if tuning.compile else None
     log.info("worker settings: %s; %d threads", tuning.describe(), torch.get_num_threads())
     tokenizer = load_tokenizer(args.model)
     backend = create_backend(args.device, compile=tuning.compile)
@@ -118,7 +145,9 @@ async def serve(
     sampler = Sampler(
         vocab_size=tokenizer.vocab_size,
         logits_size=int(model.config.vocab_size),
-        max_rows=max(2, config.batch_buckets[-1]),
+        # Verification passes sample every draft position: 1 + K logits rows per request.
+        max_rows=max(2, config.batch_buckets[-1])
+        * (1 + (config.speculative.num_draft_tokens if config.speculative else 0)),
         device=backend.device,
         structured_outputs=config.structured_outputs,
         compile=backend.compile_enabled,

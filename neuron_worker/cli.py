@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="keep compiled graphs here across restarts (default $XDG_CACHE_HOME/maskwire/compile; "
-        "'' for none)",
+        "'' for none); one subdirectory per batch size, context and draft width",
     )
     so = p.add_mutually_exclusive_group()
     so.add_argument(
@@ -124,6 +124,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="run grammar-forced tokens through the model in one pass (default on)",
+    )
+    p.add_argument(
+        "--speculative",
+        choices=("none", "ngram"),
+        default="none",
+        help="speculative decoding: `ngram` drafts tokens from the request's own prompt and "
+        "output (prompt lookup), checked by the grammar, verified in one forward (default none)",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=4,
+        help="most draft tokens per request and step with --speculative (adaptive below it)",
+    )
+    p.add_argument(
+        "--ngram-min", type=int, default=1, help="shortest suffix the n-gram drafter matches"
+    )
+    p.add_argument(
+        "--ngram-max", type=int, default=4, help="longest suffix the n-gram drafter matches"
     )
     p.add_argument(
         "--overlap",

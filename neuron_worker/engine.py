@@ -9,6 +9,10 @@ One decode step, for the running requests (each holds the token it sampled last,
     reorder + unpack + mask + sample                      (device thread, compiled sampler)
     append, detokenize, stop checks, stream deltas        (event loop)
 
+With `--speculative ngram`, a step where some request has draft tokens runs as named stages
+instead (`_speculate`): plan drafts -> grammar checks them (serial) -> one verification forward
+over pending + forced + kept drafts -> sample every position -> commit the accepted run.
+
 New requests join between steps: their grammar answers its first Step before the prefill, so the
 prompt and the grammar's initial forced tokens go through the model in one prefill pass. Requests
 leave between steps (EOS, grammar end, stop string, length, abort, error), freeing their KV slot
@@ -34,6 +38,7 @@ from maskwire.rpc import RpcError
 from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import grammar_pb2, worker_pb2
 from neuron_worker.backends import Backend
+from neuron_worker.drafter import DraftBudget, DraftConfig, NgramDrafter, accepted_prefix
 from neuron_worker.grammar_client import GrammarClient, GrammarRequest, RowOutcome
 from neuron_worker.graphs import CompileCounter, ForwardRunner, Pass, StepModel
 from neuron_worker.metrics import Metrics
@@ -112,15 +117,28 @@ class EngineConfig:
     structured_outputs: bool = True
     overlap: bool = True
     jump_forward: bool = True
+    # Speculative decoding (n-gram drafts checked by the grammar); None = off.
+    speculative: DraftConfig | None = None
 
 
 @dataclass
 class _Row:
-    """One request's slice of a forward pass: tokens to write starting at `start`."""
+    """One request's slice of a forward pass: tokens to write starting at `start`; the pass
+    returns the logits of its last `outputs` tokens (more than one: speculative verification)."""
 
     req: Request
     tokens: list[int]
     start: int
+    outputs: int = 1
+
+
+def _sync_history(drafter: NgramDrafter, r: Request) -> None:
+    """Feed the drafter the request's tokens it has not seen (prompt, then output)."""
+    seen = len(drafter)
+    if seen < len(r.prompt):
+        drafter.extend(r.prompt[seen:])
+        seen = len(r.prompt)
+    drafter.extend(r.output[seen - len(r.prompt) :])
 
 
 class Engine:
@@ -173,6 +191,7 @@ class Engine:
             batch_buckets=config.batch_buckets if config.bucketed else (),
             token_buckets=self.token_buckets if config.bucketed else (),
             seq_buckets=config.seq_buckets if config.bucketed else (),
+            verify_width=1 + (config.speculative.num_draft_tokens if config.speculative else 0),
         )
         self.compiles = CompileCounter(self.metrics.compiled_while_serving)
         self.occurrences: OccurrenceTable | None = None  # allocated with the KV cache
@@ -434,29 +453,68 @@ class Engine:
 
     # ------------------------------------------------------------------ decode
     async def _decode(self, batch: list[Request]) -> None:
+        """One decode step: plan drafts, then a plain step (no row has drafts) or a speculative
+        one (`_speculate`)."""
+        drafts = self._plan_drafts(batch)
+        if any(drafts.values()):
+            await self._speculate(batch, drafts)
+        else:
+            await self._decode_plain(batch)
+
+    def _grammar_entries(
+        self, batch: list[Request]
+    ) -> tuple[list[Request], list[tuple[GrammarRequest, list[int]]]]:
+        """Each constrained request's tokens the grammar has not seen (accepted drafts, then the
+        pending token); the accepted drafts count as sent from now on."""
+        constrained: list[Request] = []
+        entries: list[tuple[GrammarRequest, list[int]]] = []
+        for r in batch:
+            if r.grammar is not None:
+                constrained.append(r)
+                entries.append((r.grammar, [*r.verified, r.pending]))  # type: ignore[list-item]
+            r.verified = []
+        return constrained, entries
+
+    def _apply_answer(self, r: Request, out: RowOutcome | None) -> list[int] | None:
+        """The grammar's answer for a running request: errors, forced tokens, ends. Returns the
+        forced tokens (appended) or None when the request finished."""
+        if out is None:
+            return []
+        if not out.ok:
+            self._finish(r, FR.FINISH_REASON_ERROR, error=f"constraint failed: {out.error}")
+            return None
+        ff = out.ff_tokens
+        if ff and self._append(r, ff, forced=True):
+            return None  # finished (stop string or length) inside the forced tokens
+        if out.finished and not out.accepting:
+            self._finish(
+                r, FR.FINISH_REASON_ERROR, error="constraint failed: dead end before a match"
+            )
+            return None
+        if out.finished:
+            self._finish(r, FR.FINISH_REASON_STOP)
+            return None
+        return ff
+
+    async def _decode_plain(self, batch: list[Request]) -> None:
         started = time.perf_counter()
-        entries = [(r.grammar, [r.pending]) for r in batch if r.grammar is not None]
+        constrained, entries = self._grammar_entries(batch)
         grammar_task: asyncio.Task[list[RowOutcome]] | None = None
         if entries:
             assert self.grammar is not None
-            grammar_task = asyncio.create_task(self.grammar.step(entries))  # type: ignore[arg-type]
+            grammar_task = asyncio.create_task(self.grammar.step(entries))
         outcomes: dict[Request, RowOutcome] = {}
         logits: Tensor | None = None
         if grammar_task is None or self.config.overlap:
             rows = [_Row(r, [r.pending], r.cached) for r in batch]  # type: ignore[list-item]
             logits = await self._forward(rows, "decode")
             if grammar_task is not None:
-                waited = time.perf_counter()
-                res = await grammar_task
-                self.metrics.mask_wait(time.perf_counter() - waited)
-                outcomes = dict(zip([r for r in batch if r.grammar is not None], res, strict=True))
+                outcomes = await self._await_grammar(grammar_task, constrained)
             for r in batch:
                 r.cached += 1
         else:
-            waited = time.perf_counter()
-            res = await grammar_task
-            self.metrics.mask_wait(time.perf_counter() - waited)
-            outcomes = dict(zip([r for r in batch if r.grammar is not None], res, strict=True))
+            assert grammar_task is not None
+            outcomes = await self._await_grammar(grammar_task, constrained)
 
         # Apply the grammar's answers: errors, forced tokens, ends.
         live: list[Request] = []
@@ -464,25 +522,9 @@ class Engine:
         for r in batch:
             pending = r.pending
             r.pending = None
-            out = outcomes.get(r)
-            ff: list[int] = []
-            if out is not None:
-                if not out.ok:
-                    self._finish(r, FR.FINISH_REASON_ERROR, error=f"constraint failed: {out.error}")
-                    continue
-                ff = out.ff_tokens
-                if ff and self._append(r, ff, forced=True):
-                    continue  # finished (stop string or length) inside the forced tokens
-                if out.finished and not out.accepting:
-                    self._finish(
-                        r,
-                        FR.FINISH_REASON_ERROR,
-                        error="constraint failed: dead end before a match",
-                    )
-                    continue
-                if out.finished:
-                    self._finish(r, FR.FINISH_REASON_STOP)
-                    continue
+            ff = self._apply_answer(r, outcomes.get(r))
+            if ff is None:
+                continue
             live.append(r)
             if self.config.overlap or grammar_task is None:
                 if ff:
@@ -491,7 +533,7 @@ class Engine:
                 ff_rows.append(_Row(r, [pending, *ff], r.cached))  # type: ignore[list-item]
 
         serial = not self.config.overlap and grammar_task is not None
-        sample_rows: list[_Row | None]
+        sample_rows: list[Request | None]
         if serial:
             # No overlap: one forward of pending + forced tokens for every live row.
             if not ff_rows:
@@ -500,7 +542,7 @@ class Engine:
             logits = await self._forward(ff_rows, "decode")
             for row in ff_rows:
                 row.req.cached += len(row.tokens)
-            sample_rows = list(ff_rows)
+            sample_rows = [row.req for row in ff_rows]
         else:
             assert logits is not None
             if ff_rows:
@@ -514,27 +556,147 @@ class Engine:
                 base = logits
                 logits = await self._on_device(lambda: self._replace(base, ff_logits, dst))
             live_set = set(live)
-            sample_rows = [_Row(r, [], 0) if r in live_set else None for r in batch]
+            sample_rows = [r if r in live_set else None for r in batch]
         if live:
             await self._sample_rows(sample_rows, logits, outcomes)
         self.metrics.step(time.perf_counter() - started, len(batch))
 
+    async def _await_grammar(
+        self, task: asyncio.Task[list[RowOutcome]], constrained: list[Request]
+    ) -> dict[Request, RowOutcome]:
+        waited = time.perf_counter()
+        res = await task
+        self.metrics.mask_wait(time.perf_counter() - waited)
+        return dict(zip(constrained, res, strict=True))
+
+    # ------------------------------------------------------------------ speculative decode
+    def _plan_drafts(self, batch: list[Request]) -> dict[Request, list[int]]:
+        """Stage 1: each request's draft tokens (none when speculation is off for it)."""
+        spec = self.config.speculative
+        if spec is None:
+            return {}
+        drafts: dict[Request, list[int]] = {}
+        for r in batch:
+            if not r.speculate:
+                continue
+            if r.drafter is None:
+                r.drafter = NgramDrafter(spec.min_n, spec.max_n)
+                r.budget = DraftBudget(spec)
+            assert r.budget is not None
+            _sync_history(r.drafter, r)
+            want = min(r.budget.want(), self._room(r) - 1)
+            d = r.drafter.propose(want) if want > 0 else []
+            if d:
+                drafts[r] = d
+                self.metrics.drafts(proposed=len(d))
+        return drafts
+
+    async def _speculate(self, batch: list[Request], drafts: dict[Request, list[int]]) -> None:
+        """A step with drafts: the grammar checks them first (their rejected tail never reaches
+        the device), one forward verifies every kept draft, the sampler draws a token at every
+        position, and each request keeps its drafts up to the first the sampler disagrees with."""
+        started = time.perf_counter()
+        outcomes = await self._check_drafts(batch, drafts)
+        rows = self._verification_rows(batch, drafts, outcomes)
+        if rows:
+            logits = await self._forward(rows, "verify")
+            positions = [(row.req, j) for row in rows for j in range(row.outputs)]
+            sampled = await self._sample(positions, logits, outcomes)
+            self._commit(rows, sampled)
+        self.metrics.step(time.perf_counter() - started, len(batch))
+
+    async def _check_drafts(
+        self, batch: list[Request], drafts: dict[Request, list[int]]
+    ) -> dict[Request, RowOutcome]:
+        """Stage 2: the grammar's answers (new tokens applied, drafts validated, not consumed).
+        Serial: the forward needs to know which drafts survive."""
+        constrained, entries = self._grammar_entries(batch)
+        if not entries:
+            return {}
+        assert self.grammar is not None
+        task = asyncio.create_task(
+            self.grammar.step(entries, drafts=[drafts.get(r, []) for r in constrained])
+        )
+        return await self._await_grammar(task, constrained)
+
+    def _verification_rows(
+        self,
+        batch: list[Request],
+        drafts: dict[Request, list[int]],
+        outcomes: dict[Request, RowOutcome],
+    ) -> list[_Row]:
+        """Stage 3: apply the grammar's answers; each live request becomes one row of pending +
+        forced + kept drafts, with logits wanted at every draft position and the one after."""
+        rows: list[_Row] = []
+        for r in batch:
+            pending = r.pending
+            r.pending = None
+            out = outcomes.get(r)
+            ff = self._apply_answer(r, out)
+            if ff is None:
+                continue
+            d = drafts.get(r, [])
+            if out is not None:
+                d = d[: out.accepted_drafts]
+            d = d[: max(0, self._room(r) - 1)]
+            self.metrics.drafts(kept=len(d))
+            prefix = [pending, *ff]
+            rows.append(_Row(r, [*prefix, *d], r.cached, outputs=1 + len(d)))  # type: ignore[list-item]
+            r.cached += len(prefix)
+        return rows
+
+    def _commit(self, rows: list[_Row], sampled: _Sampled) -> None:
+        """Stage 5: per row, the drafts the sampler agreed with and the token after them."""
+        i = 0
+        accepted_total = emitted = 0
+        for row in rows:
+            r = row.req
+            first = i
+            drawn = sampled.tokens[i : i + row.outputs]
+            i += row.outputs
+            d = row.tokens[len(row.tokens) - row.outputs + 1 :]
+            a = accepted_prefix(drawn, d)
+            if r.budget is not None:
+                r.budget.record(len(d), a)
+            r.draft_tokens += len(d)
+            r.accepted_drafts += a
+            accepted_total += a
+            for j, tok in enumerate(drawn[: a + 1]):
+                if r.finished:
+                    break
+                self._accept(r, tok, sampled.logprobs[first + j] if sampled.logprobs else None)
+                emitted += 1
+                if j < a and not r.finished:  # an accepted draft: its K/V is in the cache
+                    r.cached += 1
+                    r.verified.append(tok)
+                    r.pending = None
+        self.metrics.drafts(accepted=accepted_total)
+        self.metrics.tokens(emitted, 0)
+
+    def _room(self, r: Request) -> int:
+        """Tokens the request may still add (max_tokens and the context limit)."""
+        return min(r.sampling.max_tokens - len(r.output), self.config.max_seq_len - r.seq_len)
+
     # ------------------------------------------------------------------ device work
     async def _forward(self, rows: list[_Row], kind: str) -> Tensor:
-        """One forward pass over `rows`; returns logits [padded rows, logits_size] for each row's
-        last token (padding rows: garbage)."""
+        """One forward pass over `rows`; returns logits for each row's last `outputs` tokens,
+        row after row (then padding rows: garbage)."""
         end = max(row.start + len(row.tokens) for row in rows)
         n, t, kv_len = self.forward.shape(len(rows), max(len(r.tokens) for r in rows), end)
+        wanted = sum(row.outputs for row in rows)
+        count = self.forward.logits_count(n, wanted, max(row.outputs for row in rows))
         tokens = np.zeros((n, t), dtype=np.int64)
         pos = np.full((n, t), -1, dtype=np.int64)
         slots = np.full(n, self.pad_slot, dtype=np.int64)
-        last = np.zeros(n, dtype=np.int64)
+        last = np.zeros(count, dtype=np.int64)
+        o = 0
         for i, row in enumerate(rows):
             k = len(row.tokens)
             tokens[i, :k] = row.tokens
             pos[i, :k] = np.arange(row.start, row.start + k)
             slots[i] = row.req.slot
-            last[i] = k - 1
+            last[o : o + row.outputs] = i * t + np.arange(k - row.outputs, k)
+            o += row.outputs
             row.req.forward_passes += 1
         p = Pass(tokens, pos, slots, last, kv_len)
         began = time.perf_counter()
@@ -544,14 +706,35 @@ class Engine:
 
     async def _sample_rows(
         self,
-        rows: Sequence[_Row | None],
+        rows: Sequence[_Row | Request | None],
         logits: Tensor,
         outcomes: dict[Request, RowOutcome],
     ) -> None:
         """Mask and sample each row (None: a row whose request already left; its sample is
         ignored), then act on the tokens."""
+        reqs = [row.req if isinstance(row, _Row) else row for row in rows]
+        result = await self._sample(
+            [(r, 0) if r is not None else None for r in reqs], logits, outcomes
+        )
+        sampled = 0
+        for i, (req, tok) in enumerate(zip(reqs, result.tokens, strict=False)):
+            if req is None or req.finished:
+                continue
+            sampled += 1
+            self._accept(req, tok, result.logprobs[i] if result.logprobs else None)
+        self.metrics.tokens(sampled, 0)
+
+    async def _sample(
+        self,
+        positions: Sequence[tuple[Request, int] | None],
+        logits: Tensor,
+        outcomes: dict[Request, RowOutcome],
+    ) -> _Sampled:
+        """(Stage 4 of a speculative step.) Mask and sample every logits row: `positions[i]` =
+        (request, j) for the request's j-th sampling position of this step (its j-th mask row;
+        random counter `sampled + j`), None for a row to ignore. Returns one token per logits
+        row, and the logprobs when a row asked for them."""
         n = int(logits.shape[0])
-        reqs = [row.req if row is not None else None for row in rows]
         # Rows past the m-th stay uninitialised: their `dest` is n, so scatter_mask_rows drops them.
         compact = np.empty((n, self.words), dtype=np.int32)
         dest = np.full(n, n, dtype=np.int64)
@@ -565,22 +748,26 @@ class Engine:
             raw_mode=[],
         )
         m = 0
-        for i, req in enumerate(reqs):
-            if req is None:  # a greedy row whose token is ignored
+        for i, at in enumerate(positions):
+            if at is None:  # a greedy row whose token is ignored
                 for k, v in _PAD_ROW.items():
                     params[k].append(v)
                 self._no_extras(extras)
                 continue
+            req, j = at
             s = req.sampling
             params["temperature"].append(s.temperature)
             params["top_p"].append(s.top_p)
             params["top_k"].append(s.top_k)
             params["seed"].append(s.seed)
-            params["offset"].append(req.sampled)
-            self._add_extras(extras, req)
+            params["offset"].append(req.sampled + j)
+            if j == 0:
+                self._add_extras(extras, req)
+            else:  # a draft position: requests with penalties or logprobs never draft
+                self._no_extras(extras)
             out = outcomes.get(req)
             if out is not None and out.mask is not None:
-                compact[m] = out.mask[0]
+                compact[m] = out.mask[j]
                 dest[m] = i
                 m += 1
             ban_eos[i] = s.ignore_eos and req.grammar is None
@@ -591,13 +778,7 @@ class Engine:
         began = time.perf_counter()
         result = await self._on_device(run)
         self.metrics.sample(time.perf_counter() - began)
-        sampled = 0
-        for i, (req, tok) in enumerate(zip(reqs, result.tokens, strict=False)):
-            if req is None or req.finished:
-                continue
-            sampled += 1
-            self._accept(req, tok, result.logprobs[i] if result.logprobs else None)
-        self.metrics.tokens(sampled, 0)
+        return result
 
     def _no_extras(self, extras: _Extras) -> None:
         """A row without penalties or logprobs (or a padding row)."""
@@ -727,9 +908,10 @@ class Engine:
     def _warmup_graphs(self, on_graph: Callable[[str], None]) -> int:
         count = self.forward.warmup(on_graph)
         sizes = self.forward.logits_rows()
+        plain = self.forward.logits_rows(verify=False)
         for n in sizes:
             logits = torch.zeros(n, self.logits_size)
-            for m in (m for m in sizes if m <= n):
+            for m in (m for m in plain if m <= n and n in plain):
                 dev = self.backend.to_device
                 self._replace(dev(logits), dev(logits[:m].clone()), [])
                 on_graph(f"jump-forward rows batch={n} rows={m}")

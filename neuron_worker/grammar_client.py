@@ -109,6 +109,9 @@ class RowOutcome:
     ff_tokens: list[int] = field(default_factory=list)
     accepting: bool = False
     finished: bool = False
+    accepted_drafts: int = (
+        0  # leading drafts the grammar accepts (one mask row each after the first)
+    )
     error: str = ""
     code: grpc.StatusCode = grpc.StatusCode.OK
     reason: str = ""  # google.rpc.ErrorInfo reason of the error
@@ -323,6 +326,10 @@ def _row_failure(row: grammar_pb2.RowResult, req: GrammarRequest, new: Sequence[
     )
 
 
+# One step row: the request, its new tokens, its draft tokens.
+_Entry = tuple[GrammarRequest, Sequence[int], Sequence[int]]
+
+
 def _accepted(metadata: object) -> bool:
     """Whether a call's initial metadata carries the service's `ACCEPTED_METADATA` header."""
     if not metadata:
@@ -518,12 +525,25 @@ class GrammarClient:
 
     # ---------------------------------------------------------------- steps
     async def step(
-        self, entries: Sequence[tuple[GrammarRequest, Sequence[int]]]
+        self,
+        entries: Sequence[tuple[GrammarRequest, Sequence[int]]],
+        drafts: Sequence[Sequence[int]] | None = None,
     ) -> list[RowOutcome]:
-        """Advance each request by its new tokens and get its next mask row.
+        """Advance each request by its new tokens and get its next mask row; with `drafts` (one
+        list per entry), the grammar also checks those tokens without consuming them and sends
+        a mask row after each one it accepts.
 
         On OK rows, `req.consumed` is extended by the new tokens and the forced ones.
         """
+        if drafts is not None and len(drafts) != len(entries):
+            raise ValueError(f"{len(drafts)} draft lists for {len(entries)} entries")
+        rows: list[_Entry] = [
+            (req, new, drafts[i] if drafts is not None else ())
+            for i, (req, new) in enumerate(entries)
+        ]
+        return await self._step(rows)
+
+    async def _step(self, entries: Sequence[_Entry]) -> list[RowOutcome]:
         outcomes: list[RowOutcome | None] = [None] * len(entries)
         retry = await self._step_once(entries, range(len(entries)), outcomes, allow_retry=True)
         if retry:
@@ -555,7 +575,7 @@ class GrammarClient:
 
     async def _step_once(
         self,
-        entries: Sequence[tuple[GrammarRequest, Sequence[int]]],
+        entries: Sequence[_Entry],
         indices: Sequence[int],
         outcomes: list[RowOutcome | None],
         *,
@@ -589,17 +609,20 @@ class GrammarClient:
     async def _step_replica(
         self,
         replica: Replica,
-        entries: Sequence[tuple[GrammarRequest, Sequence[int]]],
+        entries: Sequence[_Entry],
         idx: list[int],
         outcomes: list[RowOutcome | None],
         allow_retry: bool,
     ) -> list[int]:
         rows = []
         for i in idx:
-            req, new = entries[i]
+            req, new, drafts = entries[i]
             rows.append(
                 grammar_pb2.StepRow(
-                    request_id=req.request_id, new_tokens=new, position=len(req.consumed) + len(new)
+                    request_id=req.request_id,
+                    new_tokens=new,
+                    position=len(req.consumed) + len(new),
+                    draft_tokens=drafts,
                 )
             )
         step_no = next(self._step_no)
@@ -642,7 +665,7 @@ class GrammarClient:
         offset = 0
         retry: list[int] = []
         for i, row in zip(idx, result.rows, strict=True):
-            req, new = entries[i]
+            req, new, _ = entries[i]
             n = row.mask_rows
             if row.status == grammar_pb2.ROW_STATUS_OK:
                 mask = None
@@ -658,6 +681,7 @@ class GrammarClient:
                     ff_tokens=list(row.ff_tokens),
                     accepting=row.accepting,
                     finished=row.finished,
+                    accepted_drafts=row.accepted_drafts,
                 )
             elif (
                 row.status
@@ -688,7 +712,7 @@ class GrammarClient:
         self,
         replica: Replica,
         err: ReplicaDown,
-        entries: Sequence[tuple[GrammarRequest, Sequence[int]]],
+        entries: Sequence[_Entry],
         idx: list[int],
         outcomes: list[RowOutcome | None],
         allow_retry: bool,

@@ -8,12 +8,17 @@ Two shape policies:
 * **Buckets** (XLA, where every distinct shape is a graph): rows, tokens per row and the KV length
   are each padded to a bucket; every (rows, tokens, kv) bucket is one graph, all traced at warm-up.
 * **Dynamic** (`torch.compile` on CPU/CUDA, and eager): two graphs in all. `decode` takes one token
-  per row; `multi` takes several (prefill, jump-forward). Rows (2..max), tokens per row (2..max)
-  and the KV length (2..max) are symbolic, so no request shape can need a new graph. Passes are
-  padded to 2 rows at least: a 1-row decode gets a padding row; a 1-row multi-token pass is split
-  into two half-rows on the same cache slot (the second attends the first's keys, written earlier
-  in the same layer), which costs nothing. Symbolic sizes start at 2 because torch specializes
-  sizes 0 and 1.
+  per row; `multi` takes several (prefill, jump-forward, speculative verification). Rows (2..max),
+  tokens per row (2..max), logits rows (2..max) and the KV length (2..max) are symbolic, so no
+  request shape can need a new graph. Passes are padded to 2 rows at least: a 1-row decode gets a
+  padding row; a 1-row multi-token pass is split into two half-rows on the same cache slot (the
+  second attends the first's keys, written earlier in the same layer), which costs nothing.
+  Symbolic sizes start at 2 because torch specializes sizes 0 and 1.
+
+Which logits a pass returns: a decode pass, one per row; a multi-token pass, one per entry of
+`Pass.last`, a flat index into the [rows x tokens] grid, so a verification pass returns the logits
+of every draft position of every row (`verify_width` per row at most; bucketed: the logits rows
+are padded to rows x `verify_width` for such passes, one more graph per forward bucket).
 """
 
 from __future__ import annotations
@@ -59,8 +64,9 @@ class StepModel(Protocol):
 @dataclass(frozen=True)
 class Pass:
     """A forward pass as host arrays, already padded: tokens/positions int64 [rows, tokens]
-    (position -1 = padding), slots int64 [rows], last int64 [rows] (index of the token whose
-    logits the row returns), kv_len."""
+    (position -1 = padding), slots int64 [rows], last int64 [logits rows] (multi-token passes:
+    flat indices `row * tokens + column` of the tokens whose logits the pass returns; decode
+    passes return every row's logits and `last` has one entry per row), kv_len."""
 
     tokens: np.ndarray
     positions: np.ndarray
@@ -83,8 +89,10 @@ class ForwardRunner:
         batch_buckets: Sequence[int] = (),
         token_buckets: Sequence[int] = (),
         seq_buckets: Sequence[int] = (),
+        verify_width: int = 1,
     ) -> None:
-        """Buckets given: the bucket policy (all three must be); none: dynamic shapes."""
+        """Buckets given: the bucket policy (all three must be); none: dynamic shapes.
+        `verify_width`: logits rows per row of a verification pass (1 + drafts; 1 = none)."""
         self.model = model
         self.backend = backend
         self.max_rows = max_rows
@@ -94,6 +102,7 @@ class ForwardRunner:
         self.batch_buckets = list(batch_buckets)
         self.token_buckets = list(token_buckets)
         self.seq_buckets = list(seq_buckets)
+        self.verify_width = max(1, verify_width)
         self.dynamic = backend.compile_enabled and not self.bucketed
         # One compiled function; its decode (1 token per row) and multi-token graphs differ in
         # the token dimension, static 1 in one and symbolic in the other.
@@ -115,10 +124,18 @@ class ForwardRunner:
             return 1, tokens, max(kv, 2)  # split into two half-rows by `run`
         return max(rows, 2), tokens, max(kv, 2)
 
+    def logits_count(self, rows: int, outputs: int, per_row: int) -> int:
+        """Logits rows (`len(Pass.last)`) of a pass of `rows` padded rows that wants `outputs`
+        logits, at most `per_row` of them from one row."""
+        if per_row > self.verify_width:
+            raise ValueError(f"{per_row} logits from one row; verify_width is {self.verify_width}")
+        if self.bucketed:
+            return rows if per_row == 1 else rows * self.verify_width
+        return max(2, rows if per_row == 1 else outputs)
+
     # ------------------------------------------------------------------ running
     def run(self, p: Pass) -> Tensor:
-        """Device thread: logits [rows, vocab] float32 for the rows of `p` (padding rows:
-        garbage). A split single row returns one row."""
+        """Device thread: logits [len(p.last), vocab] float32 (padding entries: garbage)."""
         split = not self.bucketed and p.tokens.shape[0] == 1 and p.tokens.shape[1] > 1
         q = _split_row(p) if split else p
         backend = self.backend
@@ -132,21 +149,23 @@ class ForwardRunner:
             )
             multi = q.tokens.shape[1] > 1
             if self.dynamic:
-                _mark_dynamic(args, multi, self.max_rows, self.max_seq)
+                _mark_dynamic(args, multi, self.max_rows, self.max_seq, self.verify_width)
             logits = self._step(*args)
+            if split and not multi:
+                # Two halves of one token each ran as a decode pass, which returns both rows:
+                # the flat indices of `last` are those rows.
+                logits = logits.index_select(0, args[4])
             backend.mark_step()
             backend.sync()
-        if split and int(p.last[0]) >= q.tokens.shape[1]:
-            # The row's logits come from the half that holds its last token: put them first
-            # (the other row is padding, so every pass still returns at least 2 rows).
-            return logits.flip(0)
         return logits
 
-    def logits_rows(self) -> list[int]:
-        """Every row count `run` returns (what the sampler must take)."""
+    def logits_rows(self, verify: bool = True) -> list[int]:
+        """Every row count `run` returns (what the sampler must take); `verify=False`: only
+        those of passes with one logits row per row."""
+        width = self.verify_width if verify else 1
         if self.bucketed:
-            return list(self.batch_buckets)
-        return sorted({2, max(2, self.max_rows)})
+            return sorted({*self.batch_buckets, *(n * width for n in self.batch_buckets)})
+        return sorted({2, max(2, self.max_rows * width)})
 
     def _kv_positions(self, kv_len: int) -> Tensor:
         if self._kv is None:
@@ -158,7 +177,7 @@ class ForwardRunner:
         """Device thread: run every graph once on padding inputs (the pad slot's scratch
         position); returns how many passes ran."""
         count = 0
-        for rows, tokens, kv in self._warmup_shapes():
+        for rows, tokens, kv, outputs in self._warmup_shapes():
             pos = np.full((rows, tokens), -1, dtype=np.int64)
             slots = np.full(rows, self.pad_slot, dtype=np.int64)
             self.run(
@@ -166,25 +185,30 @@ class ForwardRunner:
                     np.zeros((rows, tokens), dtype=np.int64),
                     pos,
                     slots,
-                    np.zeros(rows, np.int64),
+                    np.zeros(outputs, np.int64),
                     kv,
                 )
             )
-            on_graph(f"forward rows={rows} tokens={tokens} kv_len={kv}")
+            on_graph(f"forward rows={rows} tokens={tokens} kv_len={kv} logits={outputs}")
             count += 1
         return count
 
-    def _warmup_shapes(self) -> list[tuple[int, int, int]]:
+    def _warmup_shapes(self) -> list[tuple[int, int, int, int]]:
+        """(rows, tokens, kv_len, logits rows) of every pass to run at warm-up."""
         if self.bucketed:
-            return forward_shapes(self.batch_buckets, self.token_buckets, self.seq_buckets)
+            shapes = forward_shapes(self.batch_buckets, self.token_buckets, self.seq_buckets)
+            out = [(n, t, kv, n) for n, t, kv in shapes]
+            if self.verify_width > 1:  # verification passes: every multi-token bucket, wide
+                out += [(n, t, kv, n * self.verify_width) for n, t, kv in shapes if t > 1]
+            return out
         # Both ends of every symbolic range: the graphs must cover them without recompiling.
         small, big = max(2, KV_ALIGN), self.max_seq
         rows = max(2, self.max_rows)
         return [
-            (2, 1, small),
-            (rows, 1, big),
-            (2, 2, small),
-            (rows, min(64, big), big),
+            (2, 1, small, 2),
+            (rows, 1, big, rows),
+            (2, 2, small, 2),
+            (rows, min(64, big), big, max(2, rows * self.verify_width)),
         ]
 
 
@@ -198,20 +222,21 @@ def _split_row(p: Pass) -> Pass:
     positions[0] = p.positions[0, :h]
     tokens[1, : t - h] = p.tokens[0, h:]
     positions[1, : t - h] = p.positions[0, h:]
-    last = int(p.last[0])
-    lasts = np.array([min(last, h - 1), max(last - h, 0)], dtype=np.int64)
-    return Pass(tokens, positions, np.repeat(p.slots[:1], 2), lasts, p.kv_len)
+    # A flat index `k` into [1, t] is the same flat index `k` into [2, h]: `last` is unchanged.
+    return Pass(tokens, positions, np.repeat(p.slots[:1], 2), p.last, p.kv_len)
 
 
-def _mark_dynamic(args: tuple[Tensor, ...], multi: bool, max_rows: int, max_seq: int) -> None:
+def _mark_dynamic(
+    args: tuple[Tensor, ...], multi: bool, max_rows: int, max_seq: int, verify_width: int
+) -> None:
     tokens, pos, slots, kv, last = args
     rows_max = max(2, max_rows)
     for t in (tokens, pos):
         torch._dynamo.mark_dynamic(t, 0, min=2, max=rows_max)
         if multi:
             torch._dynamo.mark_dynamic(t, 1, min=2, max=max_seq)
-    for t in (slots, last):
-        torch._dynamo.mark_dynamic(t, 0, min=2, max=rows_max)
+    torch._dynamo.mark_dynamic(slots, 0, min=2, max=rows_max)
+    torch._dynamo.mark_dynamic(last, 0, min=2, max=max(2, rows_max * verify_width))
     torch._dynamo.mark_dynamic(kv, 0, min=2, max=max_seq)
 
 

@@ -19,7 +19,7 @@ STEP_SECONDS = prom.Histogram(
 FORWARD_SECONDS = prom.Histogram(
     "maskwire_worker_forward_seconds",
     "Wall time of one forward pass",
-    ["kind"],  # prefill | decode | jump_forward
+    ["kind"],  # prefill | decode | jump_forward | verify
     buckets=_STEP_BUCKETS,
 )
 MASK_WAIT_SECONDS = prom.Histogram(
@@ -42,6 +42,13 @@ TOKENS = prom.Counter(
 )
 FORWARD_PASSES = prom.Counter(
     "maskwire_worker_forward_passes_total", "Forward passes run", ["kind"]
+)
+DRAFT_TOKENS = prom.Counter(
+    "maskwire_worker_draft_tokens_total",
+    "Speculative draft tokens: proposed by the drafter, kept after the grammar's check, accepted "
+    "by verification (acceptance rate = accepted / kept; tokens per forward pass = "
+    "generated_tokens_total / forward_passes_total)",
+    ["stage"],  # proposed | kept | accepted
 )
 QUEUE_DEPTH = prom.Gauge("maskwire_worker_queue_depth", "Requests waiting for a KV slot")
 RUNNING = prom.Gauge("maskwire_worker_running_requests", "Requests holding a KV slot")
@@ -83,6 +90,9 @@ class EngineStats:
     sampled_tokens: int = 0
     forced_tokens: int = 0
     compiles_while_serving: int = 0
+    draft_proposed: int = 0
+    draft_kept: int = 0
+    draft_accepted: int = 0
 
     def snapshot(self) -> dict[str, float]:
         return asdict(self)
@@ -128,6 +138,16 @@ class Metrics:
             TOKENS.labels("sampled").inc(sampled)
         if forced:
             TOKENS.labels("forced").inc(forced)
+
+    def drafts(self, *, proposed: int = 0, kept: int = 0, accepted: int = 0) -> None:
+        """Speculative decoding: drafts proposed by the drafter, kept by the grammar (and the
+        length limits) for a verification pass, accepted by the sampler."""
+        self.stats.draft_proposed += proposed
+        self.stats.draft_kept += kept
+        self.stats.draft_accepted += accepted
+        for stage, n in (("proposed", proposed), ("kept", kept), ("accepted", accepted)):
+            if n:
+                DRAFT_TOKENS.labels(stage).inc(n)
 
     def queue(self, waiting: int, running: int) -> None:
         QUEUE_DEPTH.set(waiting)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from maskwire.rpc import RpcError
 from maskwire.v1 import common_pb2, worker_pb2
 from neuron_worker.detokenize import Detokenizer
+from neuron_worker.drafter import DraftBudget, NgramDrafter
 from neuron_worker.grammar_client import GrammarRequest
 
 
@@ -68,7 +69,8 @@ class Request:
 
     `output` holds every generated token (sampled and forced). `pending` is the last sampled
     token: part of `output`, already known to the grammar only after the next step, and not yet
-    written to the KV cache (the next forward pass feeds it).
+    written to the KV cache (the next forward pass feeds it). `verified` are drafts accepted in
+    the last step: in `output` and in the KV cache, sent to the grammar with `pending` next.
     """
 
     request_id: str
@@ -89,6 +91,12 @@ class Request:
     slot: int = -1
     output: list[int] = field(default_factory=list)
     pending: int | None = None
+    verified: list[int] = field(default_factory=list)
+    speculate: bool = True  # drafts allowed (the worker's --speculative decides if any)
+    drafter: NgramDrafter | None = None
+    budget: DraftBudget | None = None
+    draft_tokens: int = 0  # drafts that reached a verification pass
+    accepted_drafts: int = 0  # of those, kept
     cached: int = 0  # tokens (prompt + output) whose K/V are in the cache
     forced_tokens: int = 0
     forward_passes: int = 0
@@ -177,6 +185,8 @@ class Request:
                 completion_tokens=len(self.output),
                 forced_tokens=self.forced_tokens,
                 forward_passes=self.forward_passes,
+                draft_tokens=self.draft_tokens,
+                accepted_draft_tokens=self.accepted_drafts,
             )
         )
         return msg

@@ -143,6 +143,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             detok=Detokenizer(self.tokenizer.token_bytes, sampling.stop),
             constraint=constraint,
             reasoning_end_marker=msg.reasoning_end_marker,
+            # Penalties and logprobs are per sampled position, with the counts and distribution
+            # of the tokens before it: a draft position would need the drafts' own counts.
+            speculate=not (msg.disable_speculation or sampling.penalized or sampling.logprobs),
         )
 
     async def _prompt(

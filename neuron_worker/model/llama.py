@@ -349,11 +349,13 @@ class Transformer(nn.Module):
         kv_positions: Tensor,
         last: Tensor,
     ) -> Tensor:
-        """One pass and the float32 logits [B, vocab_size] of each row's token `last` [B]: the
-        graph the engine runs (and compiles) for every forward pass."""
+        """One pass and float32 logits: the graph the engine runs (and compiles) for every
+        forward pass. One token per row (decode): [B, vocab_size], each row's. Several: [N,
+        vocab_size] for the tokens `last` [N] names as flat indices `row * T + column` (a row's
+        last token, or every draft position of a speculative verification)."""
         h = self.hidden(tokens, input_pos, cache_slots, kv_positions)
         if tokens.shape[1] > 1:
-            h = h[torch.arange(tokens.shape[0], device=tokens.device), last]
+            h = h.reshape(tokens.shape[0] * tokens.shape[1], h.shape[-1])[last]
         else:
             h = h[:, 0]
         return self.logits(h)

@@ -175,8 +175,15 @@ HTTP_CASES: list[HttpCase] = [
         "unknown-model-card", None, 404, "model_not_found", path="/v1/models/gpt-17", method="GET"
     ),
     HttpCase("unknown-path", chat(), 404, path="/v1/embeddings"),
-    HttpCase("n-two", chat(n=2), 400, "unsupported", "n"),
-    HttpCase("logprobs", chat(logprobs=True), 400, "unsupported", "logprobs"),
+    HttpCase("n-over-the-limit", chat(n=100), 400, param="n", message="at most"),
+    HttpCase(
+        "top-logprobs-over-20",
+        chat(logprobs=True, top_logprobs=21),
+        400,
+        param="top_logprobs",
+        message="must be in [0, 20]",
+    ),
+    HttpCase("top-logprobs-without-logprobs", chat(top_logprobs=3), 400, param="top_logprobs"),
     HttpCase("too-many-stops", chat(stop=list("abcde")), 400, param="stop"),
     HttpCase(
         "prompt-longer-than-context",

@@ -126,10 +126,16 @@ async def generate(
     stub: worker_pb2_grpc.WorkerStub,
     prompt: str,
     constraint: common_pb2.Constraint | None = None,
+    *,
+    disable_speculation: bool = False,
     **sampling: Any,
 ) -> Result:
     sampling.setdefault("max_tokens", 48)
-    req = worker_pb2.GenerateRequest(text=prompt, sampling=worker_pb2.SamplingParams(**sampling))
+    req = worker_pb2.GenerateRequest(
+        text=prompt,
+        sampling=worker_pb2.SamplingParams(**sampling),
+        disable_speculation=disable_speculation,
+    )
     if constraint is not None:
         req.constraint.CopyFrom(constraint)
     text, ids, chunks = "", [], 0

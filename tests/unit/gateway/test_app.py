@@ -107,6 +107,21 @@ def test_chat_request_is_translated(client: openai.OpenAI, fake: FakeWorkerServe
     assert s.temperature == pytest.approx(0.5) and s.top_p == pytest.approx(0.9)
     assert (s.top_k, s.seed, list(s.stop), s.max_tokens) == (5, 2**64 - 1, ["END"], 7)
     assert not req.HasField("constraint")
+    assert not req.disable_speculation
+
+
+@pytest.mark.parametrize("path", ["chat", "completions"])
+def test_speculation_opt_out_reaches_the_worker(
+    client: openai.OpenAI, fake: FakeWorkerServer, path: str
+) -> None:
+    """extra_body={"speculative": false} opts one request out of speculative decoding."""
+    if path == "chat":
+        client.chat.completions.create(
+            model=MODEL, messages=USER, extra_body={"speculative": False}
+        )
+    else:
+        client.completions.create(model=MODEL, prompt="hi", extra_body={"speculative": False})
+    assert last(fake).disable_speculation
 
 
 def test_defaults_and_finish_length(client: openai.OpenAI, fake: FakeWorkerServer) -> None:

@@ -23,6 +23,7 @@ from maskwire.tokenizer import load_tokenizer
 from maskwire.v1 import common_pb2, worker_pb2
 from neuron_worker.backends import create_backend
 from neuron_worker.detokenize import Detokenizer
+from neuron_worker.drafter import DraftConfig
 from neuron_worker.engine import Engine, EngineConfig
 from neuron_worker.grammar_client import GrammarRequest, RowOutcome
 from neuron_worker.masks import scatter_mask_rows
@@ -34,6 +35,7 @@ V = TOK.vocab_size
 # Plain ASCII word tokens, so text is predictable and never an EOS.
 NORMAL = [i for i in range(300, 3000) if TOK.token_bytes(i).isalpha()][:97]
 FF = NORMAL[:2]
+REJECTED = NORMAL[5]  # FakeGrammar never accepts this token as a draft
 P = 1_000_003
 
 
@@ -49,6 +51,7 @@ class FakeModel:
         self.config = SimpleNamespace(vocab_size=V + 64, max_seq_len=256, name="fake")
         self.live_slots: set[int] = set()
         self.pad_writes = 0
+        self.rule = next_token  # the next token after a sequence
 
     def setup_caches(self, max_batch: int, max_seq: int) -> None:
         self.cache = np.full((max_batch, max_seq), -1, dtype=np.int64)
@@ -68,19 +71,21 @@ class FakeModel:
     ) -> torch.Tensor:
         b, t = tokens.shape
         kv_len = kv_positions.shape[0]
-        out = torch.zeros(b, dtype=torch.long)
-        for i in range(b):
-            slot = int(slots[i])
+        for i in range(b):  # every write of the pass first, as the model's layers do
             for j in range(t):
                 p = int(pos[i, j])
-                if p < 0:
-                    continue
-                assert p < kv_len
-                self.cache[slot, p] = int(tokens[i, j])
-                if j == int(last[i]):
-                    out[i] = next_token(self.cache[slot, : p + 1].tolist())
-        lg = torch.zeros(b, self.config.vocab_size)
-        lg[torch.arange(b), out] = 10.0
+                if p >= 0:
+                    assert p < kv_len
+                    self.cache[int(slots[i]), p] = int(tokens[i, j])
+        # Decode: one logits row per row; multi-token: one per flat index in `last`.
+        picks = [(i, 0) for i in range(b)] if t == 1 else [divmod(int(x), t) for x in last]
+        out = torch.zeros(len(picks), dtype=torch.long)
+        for k, (i, j) in enumerate(picks):
+            p = int(pos[i, j])
+            if p >= 0:
+                out[k] = self.rule(self.cache[int(slots[i]), : p + 1].tolist())
+        lg = torch.zeros(len(picks), self.config.vocab_size)
+        lg[torch.arange(len(picks)), out] = 10.0
         return lg
 
 
@@ -98,17 +103,31 @@ class FakeGrammar:
         return []
 
     async def step(
-        self, entries: Sequence[tuple[GrammarRequest, Sequence[int]]]
+        self,
+        entries: Sequence[tuple[GrammarRequest, Sequence[int]]],
+        drafts: Sequence[Sequence[int]] | None = None,
     ) -> list[RowOutcome]:
+        """Drafts are accepted up to the first `REJECTED` one."""
         await asyncio.sleep(0.001)
         out = []
-        for req, new in entries:
+        for i, (req, new) in enumerate(entries):
             req.consumed.extend(new)
             done = len(req.consumed) >= self.limit
             ff = [] if done else list(FF)
             req.consumed.extend(ff)
-            mask = np.full((1, TOK.words_per_row), -1, dtype=np.int32)
-            out.append(RowOutcome(ok=True, mask=mask, ff_tokens=ff, accepting=done, finished=done))
+            d = list(drafts[i]) if drafts is not None else []
+            a = d.index(REJECTED) if REJECTED in d else len(d)
+            mask = np.full((1 + a, TOK.words_per_row), -1, dtype=np.int32)
+            out.append(
+                RowOutcome(
+                    ok=True,
+                    mask=mask,
+                    ff_tokens=ff,
+                    accepting=done,
+                    finished=done,
+                    accepted_drafts=a,
+                )
+            )
         return out
 
     def close(self, req: GrammarRequest) -> None:
@@ -131,7 +150,12 @@ def reference(prompt: list[int], max_tokens: int, constrained: bool, limit: int)
 
 
 def make_engine(
-    *, overlap: bool, jump_forward: bool = True, limit: int = 9, bucketed: bool = True
+    *,
+    overlap: bool,
+    jump_forward: bool = True,
+    limit: int = 9,
+    bucketed: bool = True,
+    speculative: DraftConfig | None = None,
 ) -> tuple[Engine, FakeModel]:
     model = FakeModel()
     config = EngineConfig(
@@ -143,11 +167,12 @@ def make_engine(
         bucketed=bucketed,
         overlap=overlap,
         jump_forward=jump_forward,
+        speculative=speculative,
     )
     sampler = Sampler(
         vocab_size=V,
         logits_size=V + 64,
-        max_rows=4,
+        max_rows=4 * (1 + (speculative.num_draft_tokens if speculative else 0)),
         device="cpu",
         structured_outputs=True,
         compile=False,

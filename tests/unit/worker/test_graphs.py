@@ -92,12 +92,12 @@ def test_compiled_graphs_match_eager_and_no_shape_compiles_after_warm_up() -> No
         tok = np.zeros((n, t), np.int64)
         pos = np.full((n, t), -1, np.int64)
         slot = np.full(n, 4, np.int64)
-        last = np.zeros(n, np.int64)
+        last = np.zeros(compiled.logits_count(n, rows, 1), np.int64)
         for r, s in enumerate(slots):
             tok[r, :tokens] = rng.integers(0, TINY.vocab_size, tokens)
             pos[r, :tokens] = np.arange(lengths[s], lengths[s] + tokens)
             slot[r] = s
-            last[r] = tokens - 1
+            last[r] = r * t + tokens - 1  # flat index into the [rows x tokens] grid
             lengths[s] += tokens
         p = Pass(tok, pos, slot, last, kv)
         with torch.inference_mode():

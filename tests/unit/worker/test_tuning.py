@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._functorch.config
+import torch._inductor.config
 
 from neuron_worker import tuning
 from neuron_worker.tuning import resolve, use_compile_cache
@@ -83,10 +85,15 @@ def test_a_usable_cache_directory_holds_inductors_caches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    assert use_compile_cache(tmp_path / "cache") == tmp_path / "cache"
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
-    assert torch._inductor.config.fx_graph_cache
+    # torch's config modules are restored by their own patch(), not by monkeypatch
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        assert use_compile_cache(tmp_path / "cache") == tmp_path / "cache"
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+        assert torch._inductor.config.fx_graph_cache
+        assert torch._functorch.config.enable_autograd_cache
 
 
 def test_an_unusable_cache_directory_is_a_warning_not_a_failure(

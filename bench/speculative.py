@@ -1,0 +1,244 @@
+"""Speculative decoding on a real stack: tokens/s and forward passes per token, on and off.
+
+Starts a grammar service and a worker with `--speculative ngram` (embedded SmolLM2), then runs two
+workloads, each request twice on the same worker, interleaved (speculation on, then opted out
+with `GenerateRequest.disable_speculation`), at each concurrency:
+
+* extraction: prompts that hold a passage and ask for a JSON record of facts from it (a schema
+  with several string fields), greedy: the record copies names and places from the passage;
+* free text: greedy continuations of short prompts with little to copy.
+
+Each batch runs twice per side, in the order on, off, off, on. Reports per workload and
+concurrency: tokens/s, forward passes per token (the worker's usage),
+draft acceptance rate, the speedup, and whether every output is identical with and without
+speculation. Jump-forward is on in both. Writes bench/results/speculative.json (and .png when
+matplotlib is installed). `--reference` runs the worker eager fp32 (fast to start; the default
+is the fast serving configuration, compiled, which warms up for minutes on a small host).
+
+Example: `python bench/speculative.py --prompts 16 --concurrency 1,8`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from maskwire.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
+from tests.support.processes import running  # noqa: E402
+
+NAMES = ["Maria Gonzalez", "Tomasz Nowak", "Aiko Tanaka", "Samuel Okafor", "Ingrid Larsen",
+         "Rahul Mehta", "Chloe Dubois", "Mateo Rossi"]  # fmt: skip
+CITIES = ["Valencia", "Krakow", "Osaka", "Lagos", "Bergen", "Pune", "Lyon", "Turin"]
+JOBS = ["architect", "baker", "surgeon", "engineer", "teacher", "chemist", "pilot", "curator"]
+PLACES = ["Riverside Public Library", "Old Mill Bakery", "Sakura General Hospital",
+          "Harbour Bridge Office", "Northern Lights School", "Green Valley Laboratory",
+          "Skyline Airport Tower", "Museum of Modern Glass"]  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {k: {"type": "string"} for k in ("name", "city", "job", "workplace", "year")},
+    "required": ["name", "city", "job", "workplace", "year"],
+    "additionalProperties": False,
+}
+FREE = ["Once upon a time", "The weather today", "My favourite food is", "In the year 3000",
+        "A good way to learn", "The ocean is", "When I was young", "Music makes people",
+        "The best advice I got", "Cities at night", "A quiet morning", "The old castle",
+        "Robots in the kitchen", "The first snow", "A letter to my friend", "The mountain path"]  # fmt: skip
+
+
+def chat(question: str) -> str:
+    return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def extraction_prompts(n: int) -> list[str]:
+    out = []
+    for i in range(n):
+        name, city = NAMES[i % 8], CITIES[(i * 3) % 8]
+        job, place = JOBS[(i * 5) % 8], PLACES[(i * 7) % 8]
+        year = 1990 + (i * 11) % 30
+        passage = (
+            f"{name} is a {job} from {city}. Since {year}, {name.split()[0]} has worked at the "
+            f"{place}, where colleagues praise the {job}'s patience."
+        )
+        out.append(
+            chat(
+                f"Passage: {passage}\nExtract a JSON record with name, city, job, workplace and "
+                "year, copying the words from the passage."
+            )
+        )
+    return out
+
+
+async def one(
+    stub: worker_pb2_grpc.WorkerStub,
+    prompt: str,
+    constraint: common_pb2.Constraint | None,
+    max_tokens: int,
+    speculate: bool,
+) -> dict[str, Any]:
+    req = worker_pb2.GenerateRequest(
+        text=prompt,
+        sampling=worker_pb2.SamplingParams(max_tokens=max_tokens),
+        disable_speculation=not speculate,
+    )
+    if constraint is not None:
+        req.constraint.CopyFrom(constraint)
+    ids: list[int] = []
+    last = None
+    async for msg in stub.Generate(req):
+        ids += list(msg.token_ids)
+        last = msg
+    assert last is not None
+    u = last.usage
+    return {
+        "ids": ids,
+        "tokens": u.completion_tokens,
+        "passes": u.forward_passes,
+        "drafts": u.draft_tokens,
+        "accepted": u.accepted_draft_tokens,
+    }
+
+
+async def batch(
+    stub: worker_pb2_grpc.WorkerStub,
+    prompts: list[str],
+    constraint: common_pb2.Constraint | None,
+    max_tokens: int,
+    concurrency: int,
+    speculate: bool,
+) -> tuple[list[dict[str, Any]], float]:
+    """Run `prompts` with at most `concurrency` in flight; returns results and wall seconds."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def limited(p: str) -> dict[str, Any]:
+        async with sem:
+            return await one(stub, p, constraint, max_tokens, speculate)
+
+    began = time.perf_counter()
+    results = await asyncio.gather(*(limited(p) for p in prompts))
+    return list(results), time.perf_counter() - began
+
+
+def summary(results: list[dict[str, Any]], seconds: float) -> dict[str, float]:
+    tokens = sum(r["tokens"] for r in results)
+    passes = sum(r["passes"] for r in results)
+    drafts = sum(r["drafts"] for r in results)
+    return {
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 2),
+        "forward_passes_per_token": round(passes / max(tokens, 1), 4),
+        "tokens_per_forward_pass": round(tokens / max(passes, 1), 4),
+        "draft_tokens": drafts,
+        "acceptance_rate": round(sum(r["accepted"] for r in results) / drafts, 4) if drafts else 0,
+    }
+
+
+async def measure(address: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    constraint = common_pb2.Constraint(json_schema=json.dumps(SCHEMA))
+    workloads = [
+        ("extraction", extraction_prompts(args.prompts), constraint, args.max_tokens),
+        ("free_text", FREE[: args.prompts], None, args.max_tokens),
+    ]
+    rows = []
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        await one(stub, FREE[0], None, 4, True)  # first-request costs out of the way
+        for c in args.concurrency:
+            for name, prompts, cons, max_tokens in workloads:
+                # Interleaved A B B A (same worker, same minutes): a host whose load drifts
+                # favours neither side.
+                runs: dict[bool, list[tuple[list[dict[str, Any]], float]]] = {True: [], False: []}
+                for speculate in (True, False, False, True):
+                    runs[speculate].append(
+                        await batch(stub, prompts, cons, max_tokens, c, speculate)
+                    )
+                on, off = (
+                    summary(runs[s][0][0] + runs[s][1][0], runs[s][0][1] + runs[s][1][1])
+                    for s in (True, False)
+                )
+                identical = all(
+                    a["ids"] == b["ids"]
+                    for a, b in zip(runs[True][0][0], runs[False][0][0], strict=True)
+                )
+                row = {
+                    "workload": name,
+                    "concurrency": c,
+                    "on": on,
+                    "off": off,
+                    "speedup": round(on["tokens_per_s"] / off["tokens_per_s"], 3),
+                    "identical": identical,
+                }
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    labels = [f"{r['workload']}\nc{r['concurrency']}" for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    x = range(len(rows))
+    for ax, key, title in (
+        (axes[0], "tokens_per_s", "tokens/s"),
+        (axes[1], "tokens_per_forward_pass", "tokens per forward pass"),
+    ):
+        ax.bar([i - 0.2 for i in x], [r["off"][key] for r in rows], 0.4, label="off")
+        ax.bar([i + 0.2 for i in x], [r["on"][key] for r in rows], 0.4, label="ngram")
+        ax.set_xticks(list(x), labels)
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--reference", action="store_true", help="worker eager fp32 (fast start)")
+    p.add_argument("--out", default=str(ROOT / "bench/results/speculative.json"))
+    args = p.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    worker = ["--model", "default", "--max-batch-size", "8", "--max-seq-len", "1024"]
+    worker += ["--speculative", "ngram", "--num-draft-tokens", str(args.num_draft_tokens)]
+    if not args.reference:  # the fast default (the test helper would pick the reference)
+        worker += ["--compile", "--dtype", "auto", "--quantize", "auto"]
+    with (
+        running("grammar-service", ["--tokenizer", "default"]) as gs,
+        running("worker", [*worker, "--grammar-service", gs.address], timeout_s=1800) as w,
+    ):
+        rows = asyncio.run(measure(w.address, args))
+    out = Path(args.out)
+    result = {
+        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "worker": worker,
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "rows": rows,
+    }
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Worker flags -> settings: speculation and the compile cache's per-ranges subdirectory."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from neuron_worker.app import draft_config, engine_config, ranges_dir
+from neuron_worker.cli import add_arguments
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(["--model", "default", *argv])
+
+
+def test_speculation_is_off_by_default_and_configurable() -> None:
+    assert draft_config(parse()) is None
+    assert engine_config(parse(), 2048).speculative is None
+    spec = draft_config(
+        parse("--speculative", "ngram", "--num-draft-tokens", "3", "--ngram-max", "2")
+    )
+    assert spec is not None and (spec.num_draft_tokens, spec.min_n, spec.max_n) == (3, 1, 2)
+    with pytest.raises(SystemExit, match="n-gram sizes"):
+        draft_config(parse("--speculative", "ngram", "--ngram-min", "3", "--ngram-max", "2"))
+
+
+def test_compile_cache_is_split_by_symbolic_ranges(tmp_path: Path) -> None:
+    """Graphs compiled for other size ranges carry guards this worker would refuse."""
+    plain = ranges_dir(tmp_path, parse())
+    spec = ranges_dir(tmp_path, parse("--speculative", "ngram"))
+    wider = ranges_dir(tmp_path, parse("--max-batch-size", "16"))
+    assert plain is not None and plain.parent == tmp_path
+    assert len({plain, spec, wider}) == 3
+    assert ranges_dir(None, parse()) is None

@@ -1,0 +1,293 @@
+"""Speculative decoding: the n-gram drafter, the draft budget, the acceptance rule, and the step
+loop with drafts (same outputs as without them, fewer forward passes, grammar-rejected drafts
+never on the device)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from maskwire.v1 import common_pb2, worker_pb2
+from neuron_worker.detokenize import Detokenizer
+from neuron_worker.drafter import DraftBudget, DraftConfig, NgramDrafter, accepted_prefix
+from neuron_worker.engine import Engine
+from neuron_worker.request import Request, Sampling
+from neuron_worker.sampler import sample_tokens
+from tests.unit.worker.test_engine import (
+    NORMAL,
+    REJECTED,
+    TOK,
+    collect,
+    make_engine,
+    next_token,
+)
+
+# The fake model's text cycles through these (so prompt lookup finds repeats), with an irregular
+# token whenever the sequence's sum is a multiple of 5 (so some drafts are wrong, and every
+# token of the sequence matters: a K/V entry at a wrong position changes the output).
+CYCLE = [NORMAL[10], NORMAL[11], REJECTED, NORMAL[12], NORMAL[13], NORMAL[14]]
+
+
+def periodic(seq: Sequence[int]) -> int:
+    if sum(seq) % 5 == 0:
+        return next_token(seq)
+    last = seq[-1]
+    k = CYCLE.index(last) if last in CYCLE else -1
+    return CYCLE[(k + 1) % len(CYCLE)]
+
+
+# -- drafter -------------------------------------------------------------------------------------
+
+
+def test_drafter_proposes_what_followed_the_longest_earlier_suffix() -> None:
+    d = NgramDrafter(1, 3)
+    d.extend([1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 3])
+    # Suffix [1, 2, 3] occurred at the start (followed by 4, 5); [2, 3] later (followed by 7):
+    # the longest suffix wins.
+    assert d.propose(2) == [4, 5]
+    d.extend([7])
+    # [3, 7] occurred once, followed by 1, 2, 3, 7.
+    assert d.propose(10) == [1, 2, 3, 7]
+    assert d.propose(0) == []
+
+
+def test_drafter_finds_nothing_without_repeats() -> None:
+    d = NgramDrafter(2, 4)
+    d.extend(list(range(50)))
+    assert d.propose(4) == []
+    d.extend([10])  # a unigram repeat is below min_n
+    assert d.propose(4) == []
+    d.extend([11])  # [10, 11] occurred before, followed by 12...
+    assert d.propose(3) == [12, 13, 14]
+
+
+def test_budget_backs_off_pauses_and_recovers() -> None:
+    cfg = DraftConfig(num_draft_tokens=4, patience=2, cooldown=3)
+    b = DraftBudget(cfg)
+    assert b.want() == 4
+    b.record(4, 0)
+    assert b.want() == 2
+    b.record(2, 0)  # second miss in a row: pause
+    assert [b.want() for _ in range(4)] == [0, 0, 0, 1]
+    b.record(1, 1)  # a full acceptance grows the budget again
+    assert b.want() == 2
+    b.record(2, 1)
+    assert b.want() == 2
+    b.record(0, 0)  # nothing proposed: no change
+    assert b.want() == 2
+    b.record(2, 0)
+    b.record(1, 0)  # the second pause is twice as long
+    assert [b.want() for _ in range(7)] == [0] * 6 + [1]
+
+
+def test_accepted_prefix() -> None:
+    assert accepted_prefix([5, 6, 7], [5, 6]) == 2
+    assert accepted_prefix([5, 9, 7], [5, 6]) == 1
+    assert accepted_prefix([4], []) == 0
+    assert accepted_prefix([1, 2], [3, 2]) == 0
+
+
+def test_speculative_sampling_keeps_the_distribution() -> None:
+    """Toy vocabulary of 6, two positions, a fixed draft: the emitted pair (first token, second
+    token) follows p(t0) p(t1 | t0) (chi-square), whether the draft is right or not."""
+    v = 6
+    torch.manual_seed(0)
+    first = torch.randn(v)
+    cond = torch.randn(v, v)  # logits of the second token given the first
+    draft = int(first.argmax())  # a likely draft, so both outcomes are frequent
+    n = 6000
+    seeds = torch.arange(n, dtype=torch.int64)
+
+    def draw(logits: torch.Tensor, offset: int) -> torch.Tensor:
+        ones = torch.ones(n)
+        return sample_tokens(
+            logits,
+            None,
+            ones,
+            ones,
+            torch.zeros(n, dtype=torch.int64),
+            seeds,
+            torch.full((n,), offset, dtype=torch.int64),
+            vocab_size=v,
+            mode="sample",
+        )
+
+    # Verification pass: positions 0 (after the prompt) and 1 (after the draft).
+    t0 = draw(first.expand(n, v), 0)
+    at_draft = draw(cond[draft].expand(n, v), 1)
+    # Rows whose draft was rejected sample their second token in the next step.
+    t1_next = draw(cond[t0], 1)
+    kept = torch.tensor([accepted_prefix([int(a)], [draft]) for a in t0]) == 1
+    t1 = torch.where(kept, at_draft, t1_next)
+
+    counts = torch.zeros(v, v)
+    counts.index_put_((t0, t1), torch.ones(n), accumulate=True)
+    expected = first.softmax(0).unsqueeze(1) * cond.softmax(1) * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    dof = v * v - 1
+    # p = 0.001 critical value of chi-square with 35 degrees of freedom is about 66.6.
+    assert chi2 < 66.6, chi2
+    assert 0.05 < float(kept.float().mean()) < 0.95
+    assert math.isclose(float(kept.float().mean()), float(first.softmax(0)[draft]), abs_tol=0.03), (
+        dof
+    )
+
+
+# -- the step loop ---------------------------------------------------------------------------------
+
+
+def make_request(
+    i: int,
+    *,
+    constrained: bool,
+    max_tokens: int,
+    temperature: float = 0.0,
+    stop: tuple[str, ...] = (),
+) -> Request:
+    return Request(
+        request_id=f"r{i}",
+        prompt=[CYCLE[(i + k) % len(CYCLE)] for k in range(4 + i % 5)] + [NORMAL[40 + i]],
+        sampling=Sampling(max_tokens=max_tokens, temperature=temperature, seed=1000 + i, stop=stop),
+        detok=Detokenizer(TOK.token_bytes, stop),
+        constraint=common_pb2.Constraint(regex="x") if constrained else None,
+    )
+
+
+async def run(
+    engine: Engine, reqs: list[Request]
+) -> list[tuple[list[int], str, worker_pb2.GenerateResponse]]:
+    await engine.start()
+    try:
+        tasks = []
+        for i, r in enumerate(reqs):
+            await engine.submit(r)
+            tasks.append(asyncio.create_task(collect(r)))
+            if i == 2:
+                await asyncio.sleep(0.05)  # later requests join a running batch
+        return list(await asyncio.gather(*tasks))
+    finally:
+        await engine.stop()
+
+
+def workload(temperature: float) -> list[Request]:
+    reqs = [
+        make_request(
+            i, constrained=i % 2 == 0, max_tokens=(17, 40, 29, 3)[i % 4], temperature=temperature
+        )
+        for i in range(7)
+    ]
+    # A stop string inside the repeating text: the accepted run crosses it.
+    cycle_text = TOK.decode_bytes([CYCLE[3], CYCLE[4]]).decode()
+    reqs.append(make_request(7, constrained=False, max_tokens=40, stop=(cycle_text,)))
+    return reqs
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("bucketed", [True, False], ids=["buckets", "dynamic"])
+async def test_speculation_changes_no_output_and_saves_passes(
+    bucketed: bool, temperature: float
+) -> None:
+    plain, plain_model = make_engine(overlap=True, bucketed=bucketed, limit=30)
+    plain_model.rule = periodic
+    want = await run(plain, workload(temperature))
+
+    spec, spec_model = make_engine(
+        overlap=True, bucketed=bucketed, limit=30, speculative=DraftConfig(num_draft_tokens=4)
+    )
+    spec_model.rule = periodic
+    verified_drafts: list[list[int]] = []
+    forward = spec._forward
+
+    async def spy(rows: list[Any], kind: str) -> torch.Tensor:
+        if kind == "verify":
+            for row in rows:
+                if row.req.constrained:
+                    verified_drafts.append(row.tokens[len(row.tokens) - row.outputs + 1 :])
+        return await forward(rows, kind)
+
+    spec._forward = spy  # type: ignore[method-assign]
+    got = await run(spec, workload(temperature))
+
+    for (ids, text, final), (ids0, text0, final0) in zip(got, want, strict=True):
+        assert ids == ids0 and text == text0
+        assert final.finish_reason == final0.finish_reason
+        assert final.stop_string == final0.stop_string
+        assert final.usage.completion_tokens == final0.usage.completion_tokens
+        assert final.usage.forward_passes <= final0.usage.forward_passes
+        assert final.usage.accepted_draft_tokens <= final.usage.draft_tokens
+    stats = spec.metrics.stats
+    assert stats.draft_accepted > 0 and stats.draft_kept <= stats.draft_proposed
+    assert sum(f.usage.forward_passes for *_, f in got) < sum(
+        f.usage.forward_passes for *_, f in want
+    )
+    # The grammar cut every draft at REJECTED: none reached a forward pass.
+    assert verified_drafts and all(REJECTED not in d for d in verified_drafts)
+    assert any(final.finish_reason == worker_pb2.FINISH_REASON_STOP_STRING for *_, final in got)
+    assert not spec.requests and not spec.scheduler.running
+
+
+async def test_a_request_can_opt_out() -> None:
+    spec, model = make_engine(overlap=True, limit=30, speculative=DraftConfig(num_draft_tokens=4))
+    model.rule = periodic
+    r = make_request(1, constrained=False, max_tokens=30)
+    r.speculate = False
+    [(ids, _, final)] = await run(spec, [r])
+    assert len(ids) == 30 and final.usage.draft_tokens == 0
+    assert spec.metrics.stats.draft_proposed == 0
+
+
+EOS = TOK.eos_token_ids[0]
+EOS_CYCLE = [*CYCLE[:3], EOS]
+
+
+def ends_with_eos(seq: Sequence[int]) -> int:
+    """Like `periodic`, on a cycle that passes through EOS."""
+    if sum(seq) % 5 == 0:
+        return next_token(seq)
+    last = seq[-1]
+    k = EOS_CYCLE.index(last) if last in EOS_CYCLE else -1
+    return EOS_CYCLE[(k + 1) % len(EOS_CYCLE)]
+
+
+@pytest.mark.parametrize("bucketed", [True, False], ids=["buckets", "dynamic"])
+async def test_a_draft_that_crosses_eos_ends_the_request_there(bucketed: bool) -> None:
+    """Prompts hold the cycle with its EOS, so drafts run through EOS: the request stops at the
+    EOS the model draws, exactly as without speculation, and the drafts after it are dropped."""
+
+    def workload() -> list[Request]:
+        reqs = []
+        for i in range(4):
+            r = make_request(i, constrained=False, max_tokens=40)
+            r.prompt = [*EOS_CYCLE[i % 4 :], *EOS_CYCLE, NORMAL[60 + i], EOS_CYCLE[0]]
+            reqs.append(r)
+        return reqs
+
+    plain, plain_model = make_engine(overlap=True, bucketed=bucketed)
+    plain_model.rule = ends_with_eos
+    want = await run(plain, workload())
+    spec, spec_model = make_engine(
+        overlap=True, bucketed=bucketed, speculative=DraftConfig(num_draft_tokens=4)
+    )
+    spec_model.rule = ends_with_eos
+    crossing: list[list[int]] = []
+    forward = spec._forward
+
+    async def spy(rows: list[Any], kind: str) -> torch.Tensor:
+        if kind == "verify":
+            crossing.extend(
+                d for row in rows if EOS in (d := row.tokens[len(row.tokens) - row.outputs + 1 :])
+            )
+        return await forward(rows, kind)
+
+    spec._forward = spy  # type: ignore[method-assign]
+    got = await run(spec, workload())
+    assert crossing, "no draft ran through EOS"
+    for (ids, text, final), (ids0, text0, final0) in zip(got, want, strict=True):
+        assert (ids, text, final.finish_reason) == (ids0, text0, final0.finish_reason)
+        assert EOS not in ids  # EOS ends the request; it is not part of the output
+    assert any(f.finish_reason == worker_pb2.FINISH_REASON_STOP for *_, f in got)
