@@ -252,10 +252,17 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
     real = load_model("default")
     real.eval()
-    models: dict[str, StepModel] = {
-        "smollm2": real,  # type: ignore[dict-item]
-        "standin_5ms": StandInForward(int(real.config.vocab_size), 0.005),
-    }
+    vocab = int(real.config.vocab_size)
+    models: dict[str, StepModel] = {}
+    for name in args.models.split(","):
+        if name == "smollm2":
+            models[name] = real  # type: ignore[assignment]
+        elif name.startswith("standin_") and name.endswith("ms"):
+            # standin_0ms: the host's own time per step (no forward at all)
+            delay_ms = float(name.removeprefix("standin_").removesuffix("ms"))
+            models[name] = StandInForward(vocab, delay_ms / 1e3)
+        else:
+            raise SystemExit(f"unknown model {name!r} (smollm2, standin_<N>ms)")
     out: dict[str, Any] = {}
     levels = [int(c) for c in args.concurrency.split(",")]
     with running("grammar-service", ["--tokenizer", "default"]) as gs:
@@ -354,6 +361,12 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--models",
+        default="smollm2,standin_5ms",
+        help="comma-separated: smollm2, standin_<N>ms (standin_0ms measures host time per step)",
+    )
+    p.add_argument("--out", default="e2e_decode", help="results file name (JSON and PNG)")
     args = p.parse_args()
     began = time.time()
     models = asyncio.run(bench(args))
@@ -372,8 +385,8 @@ def main() -> int:
         "models": models,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "e2e_decode.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, RESULTS / "e2e_decode.png")
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, RESULTS / f"{args.out}.png")
     print(json.dumps(models, indent=2))
     return 0
 
