@@ -1026,19 +1026,14 @@ class Engine:
         logprob: TokenLogprob | None = None,
     ) -> bool:
         """Add tokens within the request's limits; True when the request finished."""
-        room = min(req.sampling.max_tokens - len(req.output), self.config.max_seq_len - req.seq_len)
-        take = tokens[: max(room, 0)]
+        take = tokens[: max(self._room(req), 0)]
         stop = req.append(take, forced=forced, logprob=logprob) if take else None
         if forced:
             self.metrics.tokens(0, len(take))
         if stop is not None:
             self._finish(req, FR.FINISH_REASON_STOP_STRING, stop_string=stop)
             return True
-        if (
-            len(take) < len(tokens)
-            or len(req.output) >= req.sampling.max_tokens
-            or req.seq_len >= self.config.max_seq_len
-        ):
+        if len(take) < len(tokens) or self._room(req) <= 0:
             self._finish(req, FR.FINISH_REASON_LENGTH)
             return True
         return False
