@@ -49,10 +49,10 @@ from neuron_worker.detokenize import Detokenizer  # noqa: E402
 from neuron_worker.engine import Engine, EngineConfig  # noqa: E402
 from neuron_worker.grammar_client import GrammarClient  # noqa: E402
 from neuron_worker.graphs import StepModel  # noqa: E402
-from neuron_worker.masks import scatter_mask_rows  # noqa: E402
 from neuron_worker.metrics import Metrics  # noqa: E402
 from neuron_worker.request import Request, Sampling  # noqa: E402
-from neuron_worker.sampler import Sampler, SamplingTensors  # noqa: E402
+from neuron_worker.sampler import Sampler  # noqa: E402
+from neuron_worker.step_device import StepDevice  # noqa: E402
 from tests.support.processes import running  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -158,12 +158,15 @@ async def run_variant(
     )
     metrics = Metrics()
     engine = Engine(
-        model=model,
+        device=StepDevice(
+            model=model,
+            backend=create_backend("cpu", compile=False),
+            sampler=sampler,
+            config=config,
+            eos_ids=tuple(tok.eos_token_ids),
+            words=tok.words_per_row,
+        ),
         tokenizer=tok,
-        backend=create_backend("cpu", compile=False),
-        sampler=sampler,
-        sampling_tensors=SamplingTensors.build,
-        scatter_mask_rows=scatter_mask_rows,
         grammar=grammar,
         config=config,
         metrics=metrics,
@@ -256,7 +259,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     models: dict[str, StepModel] = {}
     for name in args.models.split(","):
         if name == "smollm2":
-            models[name] = real  # type: ignore[assignment]
+            models[name] = real
         elif name.startswith("standin_") and name.endswith("ms"):
             # standin_0ms: the host's own time per step (no forward at all)
             delay_ms = float(name.removeprefix("standin_").removesuffix("ms"))

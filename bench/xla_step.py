@@ -42,9 +42,9 @@ from maskwire.tokenizer import load_tokenizer  # noqa: E402
 from neuron_worker.backends import create_backend  # noqa: E402
 from neuron_worker.engine import Engine, EngineConfig  # noqa: E402
 from neuron_worker.graphs import Pass  # noqa: E402
-from neuron_worker.masks import scatter_mask_rows  # noqa: E402
 from neuron_worker.model import load_model  # noqa: E402
-from neuron_worker.sampler import Sampler, SamplingTensors  # noqa: E402
+from neuron_worker.sampler import Sampler  # noqa: E402
+from neuron_worker.step_device import SampleBatch, StepDevice  # noqa: E402
 from neuron_worker.xla import compile_stats  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -60,12 +60,15 @@ def build_engine(model: Any, tokenizer: Any, backend: Any, cfg: EngineConfig) ->
         compile=False,
     )
     return Engine(
-        model=model,
+        device=StepDevice(
+            model=model,
+            backend=backend,
+            sampler=sampler,
+            config=cfg,
+            eos_ids=tuple(tokenizer.eos_token_ids),
+            words=tokenizer.words_per_row,
+        ),
         tokenizer=tokenizer,
-        backend=backend,
-        sampler=sampler,
-        sampling_tensors=SamplingTensors.build,
-        scatter_mask_rows=scatter_mask_rows,
         grammar=None,
         config=cfg,
     )
@@ -125,9 +128,9 @@ def time_steps(engines: dict[str, Engine], n: int, kv: int, steps: int) -> dict[
         for name, engine in engines.items():
             tokens, pos, slots, last, compact, dest, ban, params = inputs[name]
             t0 = time.perf_counter()
-            logits = engine.forward.run(Pass(tokens, pos, slots, last, kv))
+            logits = engine.device.forward(Pass(tokens, pos, slots, last, kv))
             t1 = time.perf_counter()
-            engine._run_sampler(logits, compact, dest, ban, params)
+            engine.device.sample(logits, SampleBatch(compact, dest, ban, params))
             t2 = time.perf_counter()
             if i >= 2:  # the first steps of a shape warm caches
                 step_s[name].append(t2 - t0)

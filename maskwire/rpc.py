@@ -309,10 +309,14 @@ class Server:
         for name in self.service_names:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    async def drain(self, grace_s: float) -> None:
-        """Report NOT_SERVING, refuse new calls, let in-flight calls finish for `grace_s`."""
+    async def set_not_serving(self) -> None:
+        """Health reports NOT_SERVING for every service (and the server as a whole)."""
         for name in self.service_names:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def drain(self, grace_s: float) -> None:
+        """Report NOT_SERVING, refuse new calls, let in-flight calls finish for `grace_s`."""
+        await self.set_not_serving()
         await self.server.stop(grace_s)
         if self.health_server is not None:
             await self.health_server.stop(None)

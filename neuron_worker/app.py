@@ -4,6 +4,7 @@ gRPC server, metrics, discovery and graceful drain."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import time
 from pathlib import Path
@@ -15,15 +16,17 @@ from maskwire.cpus import available_cpus
 from maskwire.discovery import Resolver
 from maskwire.rpc import Server, start_metrics_server
 from maskwire.tls import ClientTLS, server_tls_mode
-from maskwire.tokenizer import load_tokenizer
+from maskwire.tokenizer import Tokenizer, load_tokenizer
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
 from neuron_worker.backends import create_backend
 from neuron_worker.drafter import DraftConfig
 from neuron_worker.engine import Engine, EngineConfig
 from neuron_worker.grammar_client import GrammarClient
 from neuron_worker.metrics import Metrics
+from neuron_worker.parallel.serving import RankGroup, RankSpec
 from neuron_worker.scheduler import parse_buckets, pow2_buckets
 from neuron_worker.servicer import WorkerServicer
+from neuron_worker.step_device import StepDevice, StepDeviceLike
 from neuron_worker.tuning import cache_use, use_compile_cache
 from neuron_worker.tuning import resolve as resolve_tuning
 
@@ -105,12 +108,13 @@ async def serve(
     grammar_tls: ClientTLS | None = None,
 ) -> int:
     """Run the worker; `credentials` make its port TLS/mTLS, `grammar_tls` its grammar channels."""
-    from neuron_worker.masks import scatter_mask_rows
     from neuron_worker.model import load_model
-    from neuron_worker.sampler import Sampler, SamplingTensors
+    from neuron_worker.sampler import Sampler
 
+    if args.tensor_parallel_size < 1:
+        raise SystemExit("--tensor-parallel-size must be >= 1")
     # torch sizes its pool to the node; a container's CPU limit caps it (see maskwire.cpus).
-    torch.set_num_threads(args.threads or min(torch.get_num_threads(), available_cpus()))
+    torch.set_num_threads(args.threads or rank_threads(args.tensor_parallel_size))
     began = time.perf_counter()
     tuning = resolve_tuning(
         device=args.device,
@@ -121,16 +125,18 @@ async def serve(
         warmup=args.warmup,
         compile_cache=args.compile_cache,
         overlap=args.overlap,
+        tensor_parallel=args.tensor_parallel_size,
     )
     cache = use_compile_cache(ranges_dir(tuning.compile_cache, args)) if tuning.compile else None
     log.info("worker settings: %s; %d threads", tuning.describe(), torch.get_num_threads())
     tokenizer = load_tokenizer(args.model)
     backend = create_backend(args.device, compile=tuning.compile)
+    tp = args.tensor_parallel_size
     model = load_model(
         args.model,
         device=backend.device,
         dtype=tuning.dtype,
-        serving=True,
+        serving=tp == 1,  # a sharded model gets its serving kernels after sharding
         quantize=tuning.quantize,
         quantize_rows=args.max_batch_size,  # every decode pass
     )
@@ -142,16 +148,32 @@ async def serve(
         overlap=tuning.overlap,
     )
     model_name = str(model.config.name)
-    sampler = Sampler(
-        vocab_size=tokenizer.vocab_size,
-        logits_size=int(model.config.vocab_size),
-        # Verification passes sample every draft position: 1 + K logits rows per request.
-        max_rows=max(2, config.batch_buckets[-1])
-        * (1 + (config.speculative.num_draft_tokens if config.speculative else 0)),
-        device=backend.device,
-        structured_outputs=config.structured_outputs,
-        compile=backend.compile_enabled,
-    )
+    ranks: RankGroup | None = None
+    device: StepDeviceLike
+    if tp > 1:
+        ranks = await asyncio.to_thread(
+            RankGroup.start, model, rank_spec(args, tuning.dtype, config, tokenizer), tp, backend
+        )
+        device = ranks.leader
+        log.info("tensor parallel: %d ranks, rank 0 holds %s", tp, ranks.leader.shard)
+    else:
+        sampler = Sampler(
+            vocab_size=tokenizer.vocab_size,
+            logits_size=int(model.config.vocab_size),
+            # Verification passes sample every draft position: 1 + K logits rows per request.
+            max_rows=max(2, config.batch_buckets[-1]) * config.verify_width,
+            device=backend.device,
+            structured_outputs=config.structured_outputs,
+            compile=backend.compile_enabled,
+        )
+        device = StepDevice(
+            model=model,
+            backend=backend,
+            sampler=sampler,
+            config=config,
+            eos_ids=tuple(tokenizer.eos_token_ids),
+            words=tokenizer.words_per_row,
+        )
 
     grammar: GrammarClient | None = None
     resolver: Resolver | None = None
@@ -176,12 +198,8 @@ async def serve(
 
     metrics = Metrics()
     engine = Engine(
-        model=model,
+        device=device,
         tokenizer=tokenizer,
-        backend=backend,
-        sampler=sampler,
-        sampling_tensors=SamplingTensors.build,
-        scatter_mask_rows=scatter_mask_rows,
         grammar=grammar,
         config=config,
         metrics=metrics,
@@ -233,6 +251,17 @@ async def serve(
     def on_drain() -> None:
         engine.draining = True
 
+    loop = asyncio.get_running_loop()
+    health_updates: set[asyncio.Task[None]] = set()
+
+    def device_lost(reason: str) -> None:  # on the event loop, once
+        task = loop.create_task(server.set_not_serving())
+        health_updates.add(task)
+        task.add_done_callback(health_updates.discard)
+
+    engine.on_lost = device_lost
+    if ranks is not None:
+        ranks.watch(lambda reason: loop.call_soon_threadsafe(engine.device_lost, reason))
     try:
         await server.serve_until_signal(args.drain_grace_s, on_drain=on_drain)
     finally:
@@ -240,4 +269,29 @@ async def serve(
         await engine.stop()
         if resolver is not None:
             await resolver.stop()
+        if ranks is not None:
+            ranks.stop()
     return 0
+
+
+def rank_threads(world: int) -> int:
+    """Torch threads per rank: the CPUs the container may use, shared by the ranks (torch's own
+    default sizes its pool to the node, not to a container's CPU limit)."""
+    return max(1, min(torch.get_num_threads(), available_cpus()) // world)
+
+
+def rank_spec(
+    args: argparse.Namespace, dtype: torch.dtype, config: EngineConfig, tokenizer: Tokenizer
+) -> RankSpec:
+    """What the follower ranks need to build the same sharded device as rank 0."""
+    return RankSpec(
+        model=args.model,
+        device=args.device,
+        dtype=dtype,
+        threads=torch.get_num_threads(),
+        config=config,
+        eos_ids=tuple(tokenizer.eos_token_ids),
+        words=tokenizer.words_per_row,
+        vocab_size=tokenizer.vocab_size,
+        timeout_s=args.tensor_parallel_timeout_s,
+    )

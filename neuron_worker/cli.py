@@ -180,10 +180,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(the retry after the first death survives a machine failure)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the model over N ranks (N - 1 follower processes started by the worker; "
+        "gloo on CPU, nccl on CUDA); the mask and the wire stay full-vocabulary",
+    )
+    p.add_argument(
+        "--tensor-parallel-timeout-s",
+        type=float,
+        default=120.0,
+        help="bound on the ranks' start-up rendezvous and on every collective: a rank that stops "
+        "answering fails the worker's requests after this long, never hangs them",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=0,
-        help="torch CPU threads (0: torch's default, capped by the container's CPU limit)",
+        help="torch CPU threads (0: torch's default, capped by the container's CPU limit; "
+        "with tensor parallelism, per rank, default the CPUs divided by the ranks)",
     )
     add_client_tls_arguments(p, "grammar", "the grammar service")
 

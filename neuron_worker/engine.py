@@ -27,24 +27,30 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
-import torch
-from torch import Tensor
 
 from maskwire.rpc import RpcError
 from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import grammar_pb2, worker_pb2
-from neuron_worker.backends import Backend
-from neuron_worker.drafter import DraftBudget, DraftConfig, NgramDrafter, accepted_prefix
+from neuron_worker.drafter import DraftBudget, NgramDrafter, accepted_prefix
+from neuron_worker.engine_config import EngineConfig
 from neuron_worker.grammar_client import GrammarClient, GrammarRequest, RowOutcome
-from neuron_worker.graphs import CompileCounter, ForwardRunner, Pass, StepModel
+from neuron_worker.graphs import CompileCounter, Pass
 from neuron_worker.metrics import Metrics
-from neuron_worker.penalties import OccurrenceTable, PenaltyTensors
+from neuron_worker.penalties import OccurrenceTable
 from neuron_worker.request import Request, State, TokenLogprob
-from neuron_worker.scheduler import Scheduler, pow2_buckets
+from neuron_worker.scheduler import Scheduler
+from neuron_worker.step_device import (
+    DeviceLostError,
+    Extras,
+    Logits,
+    SampleBatch,
+    Sampled,
+    StepDeviceLike,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,64 +67,7 @@ _EMPTY_LANGUAGE = RpcError(
 )
 
 
-class SamplerLike(Protocol):
-    """What the engine needs of :class:`neuron_worker.sampler.Sampler`."""
-
-    def __call__(self, logits: Tensor, packed_mask: Tensor | None, params: Any) -> Tensor: ...
-
-    def penalize(
-        self, logits: Tensor, counts: Tensor, prompt_seen: Tensor, params: PenaltyTensors
-    ) -> Tensor: ...
-
-    def logprobs(
-        self,
-        raw: Tensor,
-        processed: Tensor,
-        packed_mask: Tensor | None,
-        temperature: Tensor,
-        tokens: Tensor,
-        raw_mode: Tensor,
-    ) -> Any: ...
-
-
 _PAD_ROW: dict[str, float] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "offset": 0}
-
-
-@dataclass
-class _Extras:
-    """A step's optional sampler work: penalties (occurrences to count first, slots whose table
-    row starts over) and logprobs. Empty for steps where no row asks for them."""
-
-    penalties: dict[str, list[Any]]
-    count: list[tuple[int, int]]
-    reset: list[tuple[int, list[int]]]
-    slots: list[int]
-    raw_mode: list[bool]
-    any_penalty: bool = False
-    any_logprobs: bool = False
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine limits and switches (each one a CLI flag)."""
-
-    max_batch: int = 8
-    max_seq_len: int = 2048
-    max_queue: int = 256
-    batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
-    seq_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
-    max_prefill_tokens: int = 4096
-    # Tokens per row in one forward pass (prefill, jump-forward); () = 1, 2, 4, ..., max_seq_len.
-    token_buckets: tuple[int, ...] = ()
-    # Forward shapes: every dimension padded to the buckets above (XLA: one graph per bucket), or
-    # dynamic (two graphs with symbolic sizes; `neuron_worker.graphs`). The sampler always uses
-    # `batch_buckets`.
-    bucketed: bool = True
-    structured_outputs: bool = True
-    overlap: bool = True
-    jump_forward: bool = True
-    # Speculative decoding (n-gram drafts checked by the grammar); None = off.
-    speculative: DraftConfig | None = None
 
 
 @dataclass
@@ -147,22 +96,17 @@ class Engine:
     def __init__(
         self,
         *,
-        model: StepModel,
+        device: StepDeviceLike,
         tokenizer: Tokenizer,
-        backend: Backend,
-        sampler: SamplerLike,
-        sampling_tensors: Callable[..., Any],
-        scatter_mask_rows: Callable[[Tensor, Tensor, int], Tensor],
         grammar: GrammarClient | None,
         config: EngineConfig,
         metrics: Metrics | None = None,
     ) -> None:
-        self.model = model
+        """``device``: the model, sampler and KV cache behind host-side calls (a
+        :class:`~neuron_worker.step_device.StepDevice`, or rank 0's leader of a tensor-parallel
+        group); only the engine's device thread calls it."""
+        self.device = device
         self.tokenizer = tokenizer
-        self.backend = backend
-        self.sampler = sampler
-        self._sampling_tensors = sampling_tensors
-        self._scatter = scatter_mask_rows
         self.grammar = grammar
         self.config = config
         self.metrics = metrics or Metrics()
@@ -178,52 +122,53 @@ class Engine:
         self.eos_ids = tuple(tokenizer.eos_token_ids)
         self.vocab_size = tokenizer.vocab_size
         self.words = tokenizer.words_per_row
-        self.logits_size = int(model.config.vocab_size)
-        # One extra cache slot that padding rows point at, so they can never touch a live slot.
-        self.pad_slot = config.max_batch
-        self.token_buckets = list(config.token_buckets) or pow2_buckets(1, config.max_seq_len)
-        self.forward = ForwardRunner(
-            model,
-            backend,
-            max_rows=config.max_batch,
-            max_seq=config.max_seq_len,
-            pad_slot=self.pad_slot,
-            batch_buckets=config.batch_buckets if config.bucketed else (),
-            token_buckets=self.token_buckets if config.bucketed else (),
-            seq_buckets=config.seq_buckets if config.bucketed else (),
-            verify_width=1 + (config.speculative.num_draft_tokens if config.speculative else 0),
-        )
+        self.logits_size = device.logits_size
+        self.pad_slot = device.pad_slot
+        self.forward = device.runner  # the shapes of passes; `device.forward` runs them
         self.compiles = CompileCounter(self.metrics.compiled_while_serving)
-        self.occurrences: OccurrenceTable | None = None  # allocated with the KV cache
-        self._eos_index: Tensor | None = None
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maskwire-device")
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.draining = False
+        self.lost: str | None = None  # why the device can no longer serve (`device_lost`)
+        self.on_lost: Callable[[str], None] | None = None  # told once, on the event loop
+
+    @property
+    def occurrences(self) -> OccurrenceTable | None:
+        """The device's penalty table (None before `start`)."""
+        return self.device.occurrences
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Allocate the KV cache and start the loop."""
-        await self._on_device(self._setup_caches)
+        await self._on_device(self.device.setup)
         self._task = asyncio.create_task(self._loop(), name="maskwire-engine")
-
-    def _setup_caches(self) -> None:
-        self.model.setup_caches(self.config.max_batch + 1, self.config.max_seq_len)
-        self.occurrences = OccurrenceTable(
-            slots=self.config.max_batch + 1,
-            logits_size=self.logits_size,
-            device=self.backend.device,
-        )
-        # Materialise weights and caches (XLA: pending loader ops would otherwise become part of
-        # the first forward graph, which then never matches a later step's graph).
-        self.backend.mark_step()
-        self.backend.sync()
 
     def serving(self) -> None:
         """Warm-up is over: from now on a compiled graph means a request waited for a compile
         (`maskwire_worker_compiles_while_serving_total`, which must stay 0)."""
         self.compiles.ready()
+
+    def device_lost(self, reason: str) -> None:
+        """The device can no longer serve (a tensor-parallel rank died): stop stepping, refuse
+        new requests and fail every live one with UNAVAILABLE. Call on the event loop."""
+        if self.lost is not None:
+            return
+        log.error("device lost: %s; failing every request", reason)
+        self.lost = reason
+        for req in list(self.requests.values()):
+            self._finish(req, FR.FINISH_REASON_ERROR, status=self._unavailable())
+        self._wake.set()
+        if self.on_lost is not None:
+            self.on_lost(reason)
+
+    def _unavailable(self) -> RpcError:
+        return RpcError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"the worker cannot serve: {self.lost}",
+            reason="DEVICE_LOST",
+        )
 
     async def stop(self) -> None:
         self._stopping = True
@@ -234,6 +179,8 @@ class Engine:
             self._finish(req, FR.FINISH_REASON_ABORT, error="worker shutting down")
         if self.grammar is not None:
             await self.grammar.aclose()
+        if self.lost is None:
+            await self._on_device(self.device.close)
         self._device.shutdown(wait=True)
 
     async def _on_device(self, fn: Callable[[], T]) -> T:
@@ -254,6 +201,8 @@ class Engine:
         once. Returns the first choice's grammar warnings; raises as :meth:`submit`."""
         if self.draining:
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+        if self.lost is not None:
+            raise self._unavailable()
         for req in reqs:
             if req.request_id in self.requests:
                 raise RpcError(
@@ -361,7 +310,7 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     async def _loop(self) -> None:
-        while not self._stopping:
+        while not self._stopping and self.lost is None:
             try:
                 self._reap_aborted()
                 admitted = self.scheduler.admit()
@@ -378,7 +327,11 @@ class Engine:
                     self._wake.clear()
                     if not any(r.abort_reason for r in self.scheduler.running):
                         await self._wake.wait()
+            except DeviceLostError as e:
+                self.device_lost(str(e))
             except Exception as e:  # never let one bad step kill the worker
+                if self.lost is not None:
+                    break  # `device_lost` failed every request already
                 log.exception("engine step failed; failing the running requests")
                 for req in list(self.scheduler.running):
                     self._finish(req, FR.FINISH_REASON_ERROR, error=f"internal error: {e}")
@@ -441,8 +394,7 @@ class Engine:
         for row in rows:
             row.req.cached = len(row.tokens)
         if shared:
-            base = logits
-            logits = await self._on_device(lambda: self._share_prefill(base, rows, shared))
+            logits = await self._share_prefill(logits, rows, shared)
             for row, _ in shared:
                 row.req.cached = len(row.tokens)
             rows += [row for row, _ in shared]
@@ -504,7 +456,7 @@ class Engine:
             assert self.grammar is not None
             grammar_task = asyncio.create_task(self.grammar.step(entries))
         outcomes: dict[Request, RowOutcome] = {}
-        logits: Tensor | None = None
+        logits: Logits | None = None
         if grammar_task is None or self.config.overlap:
             rows = [_Row(r, [r.pending], r.cached) for r in batch]  # type: ignore[list-item]
             logits = await self._forward(rows, "decode")
@@ -554,7 +506,7 @@ class Engine:
                 position = {id(r): i for i, r in enumerate(batch)}
                 dst = [position[id(row.req)] for row in ff_rows]
                 base = logits
-                logits = await self._on_device(lambda: self._replace(base, ff_logits, dst))
+                logits = await self._on_device(lambda: self.device.replace(base, ff_logits, dst))
             live_set = set(live)
             sample_rows = [r if r in live_set else None for r in batch]
         if live:
@@ -645,7 +597,7 @@ class Engine:
             r.cached += len(prefix)
         return rows
 
-    def _commit(self, rows: list[_Row], sampled: _Sampled) -> None:
+    def _commit(self, rows: list[_Row], sampled: Sampled) -> None:
         """Stage 5: per row, the drafts the sampler agreed with and the token after them."""
         i = 0
         accepted_total = emitted = 0
@@ -678,7 +630,7 @@ class Engine:
         return min(r.sampling.max_tokens - len(r.output), self.config.max_seq_len - r.seq_len)
 
     # ------------------------------------------------------------------ device work
-    async def _forward(self, rows: list[_Row], kind: str) -> Tensor:
+    async def _forward(self, rows: list[_Row], kind: str) -> Logits:
         """One forward pass over `rows`; returns logits for each row's last `outputs` tokens,
         row after row (then padding rows: garbage)."""
         end = max(row.start + len(row.tokens) for row in rows)
@@ -700,14 +652,14 @@ class Engine:
             row.req.forward_passes += 1
         p = Pass(tokens, pos, slots, last, kv_len)
         began = time.perf_counter()
-        logits = await self._on_device(lambda: self.forward.run(p))
+        logits = await self._on_device(lambda: self.device.forward(p))
         self.metrics.forward(kind, time.perf_counter() - began)
         return logits
 
     async def _sample_rows(
         self,
         rows: Sequence[_Row | Request | None],
-        logits: Tensor,
+        logits: Logits,
         outcomes: dict[Request, RowOutcome],
     ) -> None:
         """Mask and sample each row (None: a row whose request already left; its sample is
@@ -727,20 +679,20 @@ class Engine:
     async def _sample(
         self,
         positions: Sequence[tuple[Request, int] | None],
-        logits: Tensor,
+        logits: Logits,
         outcomes: dict[Request, RowOutcome],
-    ) -> _Sampled:
+    ) -> Sampled:
         """(Stage 4 of a speculative step.) Mask and sample every logits row: `positions[i]` =
         (request, j) for the request's j-th sampling position of this step (its j-th mask row;
         random counter `sampled + j`), None for a row to ignore. Returns one token per logits
         row, and the logprobs when a row asked for them."""
-        n = int(logits.shape[0])
+        n = logits.rows
         # Rows past the m-th stay uninitialised: their `dest` is n, so scatter_mask_rows drops them.
         compact = np.empty((n, self.words), dtype=np.int32)
         dest = np.full(n, n, dtype=np.int64)
         ban_eos = np.zeros(n, dtype=bool)
         params: dict[str, list[Any]] = {k: [] for k in _PAD_ROW}
-        extras = _Extras(
+        extras = Extras(
             penalties={k: [] for k in ("presence", "frequency", "repetition", "logit_bias")},
             count=[],
             reset=[],
@@ -772,26 +724,28 @@ class Engine:
                 m += 1
             ban_eos[i] = s.ignore_eos and req.grammar is None
 
-        def run() -> _Sampled:
-            return self._run_sampler(logits, compact, dest, ban_eos, params, extras)
+        batch = SampleBatch(compact, dest, ban_eos, params, extras)
+
+        def run() -> Sampled:
+            return self.device.sample(logits, batch)
 
         began = time.perf_counter()
         result = await self._on_device(run)
         self.metrics.sample(time.perf_counter() - began)
         return result
 
-    def _no_extras(self, extras: _Extras) -> None:
+    def _no_extras(self, extras: Extras) -> None:
         """A row without penalties or logprobs (or a padding row)."""
         self._no_penalty(extras)
         extras.raw_mode.append(False)
 
-    def _no_penalty(self, extras: _Extras) -> None:
+    def _no_penalty(self, extras: Extras) -> None:
         for k, v in (("presence", 0.0), ("frequency", 0.0), ("repetition", 1.0)):
             extras.penalties[k].append(v)
         extras.penalties["logit_bias"].append({})
         extras.slots.append(self.pad_slot)
 
-    def _add_extras(self, extras: _Extras, req: Request) -> None:
+    def _add_extras(self, extras: Extras, req: Request) -> None:
         s = req.sampling
         extras.raw_mode.append(s.raw_logprobs)
         extras.any_logprobs = extras.any_logprobs or s.logprobs
@@ -810,189 +764,32 @@ class Engine:
         extras.count.extend((req.slot, t) for t in req.output[req.counted :])
         req.counted = len(req.output)
 
-    def _run_sampler(
-        self,
-        logits: Tensor,
-        compact: np.ndarray,
-        dest: np.ndarray,
-        ban_eos: np.ndarray,
-        params: dict[str, list[Any]],
-        extras: _Extras | None = None,
-    ) -> _Sampled:
-        """Device thread: one sampler graph for a batch bucket (plus the penalty and logprob
-        graphs on steps where a row asks for them). The packed mask rows travel as int32 and are
-        reordered and unpacked on the device; every input has the same shape every step (no mask
-        tensor at all when structured outputs are disabled)."""
-        n = int(logits.shape[0])
-        pad = n - len(params["temperature"])
-        backend = self.backend
-        with backend.inference_mode():
-            lg = logits
-            if self.eos_ids:
-                # ignore_eos rows: EOS columns to -inf, as a fixed-shape op on every step.
-                if self._eos_index is None:
-                    self._eos_index = backend.to_device(torch.tensor(self.eos_ids))
-                ban = backend.to_device(torch.from_numpy(ban_eos)).unsqueeze(1)
-                eos_cols = lg.index_select(1, self._eos_index).masked_fill(ban, float("-inf"))
-                lg = lg.index_copy(1, self._eos_index, eos_cols)
-            mask: Tensor | None = None
-            if self.config.structured_outputs:
-                mask = self._scatter(
-                    backend.to_device(torch.from_numpy(compact)),
-                    backend.to_device(torch.from_numpy(dest)),
-                    n,
-                )
-            tensors = self._sampling_tensors(
-                temperature=params["temperature"] + [0.0] * pad,
-                top_p=params["top_p"] + [1.0] * pad,
-                top_k=params["top_k"] + [0] * pad,
-                seed=params["seed"] + [0] * pad,
-                offset=params["offset"] + [0] * pad,
-                n_rows=n,
-                device=backend.device,
-            )
-            if (
-                extras is not None
-                and backend.name == "xla"
-                and (extras.any_penalty or extras.any_logprobs)
-            ):
-                # One graph kind with both (static graphs: no penalties x logprobs combinations).
-                extras.any_penalty = extras.any_logprobs = True
-            if extras is not None and extras.any_penalty:
-                lg = self._penalize(lg, extras, pad)
-            out = self.sampler(lg, mask, tensors)
-            logprobs: list[TokenLogprob] = []
-            if extras is not None and extras.any_logprobs:
-                raw_mode = torch.tensor(extras.raw_mode + [False] * pad, dtype=torch.bool)
-                lp = self.sampler.logprobs(
-                    logits, lg, mask, tensors.temperature, out, backend.to_device(raw_mode)
-                )
-                backend.mark_step()
-                logprobs = _token_logprobs(lp.chosen, lp.top_ids, lp.top_logprobs)
-            backend.mark_step()
-            return _Sampled([int(x) for x in out.tolist()], logprobs)
-
-    def _penalize(self, logits: Tensor, extras: _Extras, pad: int) -> Tensor:
-        """Device thread: update the occurrence table, then penalise and bias the logits."""
-        table = self.occurrences
-        assert table is not None
-        for slot, prompt in extras.reset:
-            table.reset(slot, prompt)
-        table.add(extras.count)
-        # The updates' sizes vary (padded to powers of two): their own small graphs on XLA,
-        # never part of the sampler's.
-        self.backend.mark_step()
-        slots = torch.tensor(extras.slots + [self.pad_slot] * pad, dtype=torch.int64)
-        counts, seen = table.rows(self.backend.to_device(slots))
-        p = extras.penalties
-        params = PenaltyTensors.build(
-            presence=p["presence"] + [0.0] * pad,
-            frequency=p["frequency"] + [0.0] * pad,
-            repetition=p["repetition"] + [1.0] * pad,
-            logit_bias=p["logit_bias"] + [{}] * pad,
-            n_rows=int(logits.shape[0]),
-            device=self.backend.device,
-        )
-        return self.sampler.penalize(logits, counts, seen, params)
-
     # ------------------------------------------------------------------ warm-up
     async def warmup(self, on_graph: Callable[[str], None] | None = None) -> int:
         """Run every graph shape the step loop can produce once, on padding inputs (the pad
         slot's scratch position), so a static-shape backend (XLA) compiles them all before
         serving. `on_graph(label)` is called after each one. Returns the number of graphs."""
         began = time.perf_counter()
-        count = await self._on_device(lambda: self._warmup_graphs(on_graph or (lambda _: None)))
+        count = await self._on_device(lambda: self.device.warmup(on_graph or (lambda _: None)))
         log.info("warm-up ran %d graphs in %.1fs", count, time.perf_counter() - began)
         return count
 
-    def _warmup_graphs(self, on_graph: Callable[[str], None]) -> int:
-        count = self.forward.warmup(on_graph)
-        sizes = self.forward.logits_rows()
-        plain = self.forward.logits_rows(verify=False)
-        for n in sizes:
-            logits = torch.zeros(n, self.logits_size)
-            for m in (m for m in plain if m <= n and n in plain):
-                dev = self.backend.to_device
-                self._replace(dev(logits), dev(logits[:m].clone()), [])
-                on_graph(f"jump-forward rows batch={n} rows={m}")
-                count += 1
-            compact = np.full((n, self.words), -1, dtype=np.int32)
-            dest = np.full(n, n, dtype=np.int64)
-            ban = np.zeros(n, dtype=bool)
-            # Greedy, plain sampling, top-k/top-p: the sampler's graph kinds.
-            for kind, temp, top_p, top_k in (
-                ("greedy", 0.0, 1.0, 0),
-                ("sample", 1.0, 1.0, 0),
-                ("filter", 1.0, 0.5, 5),
-            ):
-                params: dict[str, list[Any]] = {
-                    "temperature": [temp] * n,
-                    "top_p": [top_p] * n,
-                    "top_k": [top_k] * n,
-                    "seed": [0] * n,
-                    "offset": [0] * n,
-                }
-                lg = self.backend.to_device(logits)
-                self._run_sampler(lg, compact, dest, ban, params)
-                on_graph(f"sampler batch={n} {kind}")
-                count += 1
-                # With penalties and logprobs: their graphs (CPU/CUDA: once per bucket), or on
-                # XLA one sampler graph per kind that includes them.
-                lg = self.backend.to_device(logits)
-                self._run_sampler(lg, compact, dest, ban, params, self._warmup_extras(n))
-                on_graph(f"sampler batch={n} {kind} with penalties and logprobs")
-                count += 1
-        return count
-
-    def _warmup_extras(self, n: int) -> _Extras:
-        """Penalties and logprobs for `n` padding rows (the pad slot, nothing penalised)."""
-        return _Extras(
-            penalties={
-                "presence": [0.0] * n,
-                "frequency": [0.0] * n,
-                "repetition": [1.0] * n,
-                "logit_bias": [{}] * n,
-            },
-            count=[(self.pad_slot, 0)],
-            reset=[],
-            slots=[self.pad_slot] * n,
-            raw_mode=[False] * n,
-            any_penalty=True,
-            any_logprobs=True,
-        )
-
-    def _share_prefill(
-        self, logits: Tensor, rows: list[_Row], shared: list[tuple[_Row, _Row]]
-    ) -> Tensor:
-        """Device thread: each follower's slot gets its leader's prompt K/V (copied up to the
-        sequence bucket), and the logits gain one row per follower, its leader's (padded to a
-        batch bucket the sampler takes)."""
+    async def _share_prefill(
+        self, logits: Logits, rows: list[_Row], shared: list[tuple[_Row, _Row]]
+    ) -> Logits:
+        """n > 1: each follower's slot gets its leader's prompt K/V (copied up to the sequence
+        bucket), and the logits gain one row per follower, its leader's (padded to a batch
+        bucket the sampler takes)."""
         position = {id(row): i for i, row in enumerate(rows)}
         index = list(range(len(rows)))
+        copies: list[tuple[int, int, int]] = []
         for row, leader in shared:
             length = self.forward.shape(1, 1, len(row.tokens))[2]
-            self.model.copy_slot(leader.req.slot, row.req.slot, length)
+            copies.append((leader.req.slot, row.req.slot, length))
             index.append(position[id(leader)])
         total = self.forward.shape(len(index), 1, 1)[0]
         index += [0] * (total - len(index))
-        with self.backend.inference_mode():
-            idx = self.backend.to_device(torch.tensor(index, dtype=torch.int64))
-            out = logits.index_select(0, idx)
-            self.backend.mark_step()
-        return out
-
-    def _replace(self, logits: Tensor, ff_logits: Tensor, dst: list[int]) -> Tensor:
-        """Device thread: batch rows `dst` take the logits of jump-forward rows 0..len(dst)-1, as
-        one graph per (batch bucket, jump-forward bucket)."""
-        n, m = int(logits.shape[0]), int(ff_logits.shape[0])
-        index = np.full(m, n, dtype=np.int64)  # padding rows land in a spare row, sliced off
-        index[: len(dst)] = dst
-        with self.backend.inference_mode():
-            spare = torch.cat([logits, logits[:1]])
-            out = spare.index_copy(0, self.backend.to_device(torch.from_numpy(index)), ff_logits)
-            out = out[:n]
-            self.backend.mark_step()
-        return out
+        return await self._on_device(lambda: self.device.share(logits, copies, index))
 
     # ------------------------------------------------------------------ token bookkeeping
     def _accept(self, req: Request, tok: int, logprob: TokenLogprob | None = None) -> None:
@@ -1037,21 +834,3 @@ class Engine:
             self._finish(req, FR.FINISH_REASON_LENGTH)
             return True
         return False
-
-
-@dataclass
-class _Sampled:
-    """One sampling step's tokens (batch order) and, when a row asked, their logprobs."""
-
-    tokens: list[int]
-    logprobs: list[TokenLogprob]
-
-
-def _token_logprobs(chosen: Tensor, top_ids: Tensor, top_lp: Tensor) -> list[TokenLogprob]:
-    """Device tensors to per-row host values (one transfer each)."""
-    ids = top_ids.tolist()
-    lps = top_lp.tolist()
-    return [
-        TokenLogprob(float(c), tuple(zip(i, lp, strict=True)))
-        for c, i, lp in zip(chosen.tolist(), ids, lps, strict=True)
-    ]

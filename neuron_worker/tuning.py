@@ -89,8 +89,17 @@ def resolve(
     warmup: bool | None,
     compile_cache: str | None,
     overlap: bool | None = None,
+    tensor_parallel: int = 1,
 ) -> Tuning:
-    """Turn the flags (`auto` / None = decide here) into settings."""
+    """Turn the flags (`auto` / None = decide here) into settings. `tensor_parallel` > 1: the
+    sharded model runs eager with unquantized kernels (its collectives are not traced into
+    compiled graphs, and the weight-only kernels quantize whole tensors)."""
+    if tensor_parallel > 1:
+        if compile:
+            raise SystemExit("--compile needs --tensor-parallel-size 1 (sharded models run eager)")
+        if quantize not in ("auto", "none"):
+            raise SystemExit(f"--quantize {quantize} needs --tensor-parallel-size 1")
+        compile, quantize = False, "none"
     if dtype == "auto":
         resolved_dtype = torch.bfloat16 if native_bf16(device) else torch.float32
     else:

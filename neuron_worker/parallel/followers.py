@@ -9,7 +9,8 @@ agree). :func:`follow` is a follower's loop. A follower that dies makes the next
 rank 0 raise (gloo reports the closed connection, or the group's timeout expires): never a hang.
 :class:`RankMonitor` watches the follower processes so the server can go NOT_SERVING at once.
 
-Not yet wired into ``maskwire worker`` (docs/architecture.md, "Tensor parallelism").
+The worker itself uses :mod:`neuron_worker.parallel.serving`, which replays the engine's device
+calls the same way and reuses :class:`RankMonitor`.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ class RankMonitor:
     def __init__(
         self,
         processes: Sequence[_Alive],
-        on_dead: Callable[[int], None],
+        on_dead: Callable[[int], object],
         *,
         interval_s: float = 0.5,
     ) -> None:

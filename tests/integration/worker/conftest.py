@@ -120,6 +120,7 @@ class Result:
     ids: list[int]
     final: worker_pb2.GenerateResponse
     chunks: int
+    messages: list[worker_pb2.GenerateResponse] = field(default_factory=list, repr=False)
 
 
 async def generate(
@@ -138,15 +139,14 @@ async def generate(
     )
     if constraint is not None:
         req.constraint.CopyFrom(constraint)
-    text, ids, chunks = "", [], 0
-    last = None
-    async for msg in stub.Generate(req):
+    text, ids = "", []
+    messages = [msg async for msg in stub.Generate(req)]
+    for msg in messages:
         text += msg.text
         ids += list(msg.token_ids)
-        chunks += 1
-        last = msg
+    last = messages[-1] if messages else None
     assert last is not None and last.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED
-    return Result(text, ids, last, chunks)
+    return Result(text, ids, last, len(messages), messages)
 
 
 def channel(address: str) -> grpc.aio.Channel:

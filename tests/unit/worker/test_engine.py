@@ -26,9 +26,9 @@ from neuron_worker.detokenize import Detokenizer
 from neuron_worker.drafter import DraftConfig
 from neuron_worker.engine import Engine, EngineConfig
 from neuron_worker.grammar_client import GrammarRequest, RowOutcome
-from neuron_worker.masks import scatter_mask_rows
 from neuron_worker.request import Request, Sampling
-from neuron_worker.sampler import Sampler, SamplingTensors
+from neuron_worker.sampler import Sampler
+from neuron_worker.step_device import StepDevice
 
 TOK = load_tokenizer("default")
 V = TOK.vocab_size
@@ -178,12 +178,15 @@ def make_engine(
         compile=False,
     )
     engine = Engine(
-        model=model,
+        device=StepDevice(
+            model=model,
+            backend=create_backend("cpu"),
+            sampler=sampler,
+            config=config,
+            eos_ids=tuple(TOK.eos_token_ids),
+            words=TOK.words_per_row,
+        ),
         tokenizer=TOK,
-        backend=create_backend("cpu"),
-        sampler=sampler,
-        sampling_tensors=SamplingTensors.build,
-        scatter_mask_rows=scatter_mask_rows,
         grammar=FakeGrammar(limit),  # type: ignore[arg-type]
         config=config,
     )

@@ -1,0 +1,38 @@
+"""The engine's limits and switches (each one a worker flag), shared by the engine and the device
+side of a step (`neuron_worker.step_device`), which tensor-parallel follower ranks build too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from neuron_worker.drafter import DraftConfig
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits and switches (each one a CLI flag)."""
+
+    max_batch: int = 8
+    max_seq_len: int = 2048
+    max_queue: int = 256
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
+    seq_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    max_prefill_tokens: int = 4096
+    # Tokens per row in one forward pass (prefill, jump-forward); () = 1, 2, 4, ..., max_seq_len.
+    token_buckets: tuple[int, ...] = ()
+    # Forward shapes: every dimension padded to the buckets above (XLA: one graph per bucket), or
+    # dynamic (two graphs with symbolic sizes; `neuron_worker.graphs`). The sampler always uses
+    # `batch_buckets`.
+    bucketed: bool = True
+    structured_outputs: bool = True
+    overlap: bool = True
+    jump_forward: bool = True
+    # Speculative decoding (n-gram drafts checked by the grammar); None = off.
+    speculative: DraftConfig | None = None
+
+    @property
+    def verify_width(self) -> int:
+        """Logits rows per request in a verification pass (1 + draft tokens; 1 = no drafts)."""
+        return 1 + (self.speculative.num_draft_tokens if self.speculative else 0)
