@@ -10,8 +10,11 @@ that compare with transformers).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,7 +138,8 @@ def resolve(
 def use_compile_cache(path: Path | None) -> Path | None:
     """Point inductor's on-disk caches (FX graphs, AOT autograd, generated kernels) at `path`
     so a restart loads the compiled graphs instead of compiling them. An unusable directory is
-    a warning, not a failure: the worker then compiles into a temporary cache."""
+    a warning, not a failure: the worker then compiles into a temporary cache. So is a damaged
+    one (see `damaged_entry`): its inductor caches are removed and the worker compiles again."""
     if path is None:
         return None
     try:
@@ -143,13 +147,80 @@ def use_compile_cache(path: Path | None) -> Path | None:
         probe = path / ".writable"
         probe.write_text("ok")
         probe.unlink()
+        inductor = path / "inductor"
+        if _sole_user(path) and (damage := damaged_entry(inductor)):
+            log.warning("compile cache %s is damaged (%s): compiling it again", path, damage)
+            shutil.rmtree(inductor)
     except OSError as e:
         log.warning("compile cache %s is not usable (%s): compiling without it", path, e)
         return None
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path / "inductor")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
     return path
+
+
+_in_use: dict[Path, int] = {}  # cache directory -> the open lock file that marks it in use
+
+
+def _sole_user(path: Path) -> bool:
+    """Mark `path` in use by this process for its lifetime (a shared lock), and say whether no
+    other process had it in use: only then may damaged entries be removed, as a kernel that
+    another worker is compiling right now is half-written, not damaged."""
+    fd = _in_use.get(path)
+    if fd is None:
+        fd = _in_use[path] = os.open(path / ".in-use", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return False
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return True
+
+
+def damaged_entry(inductor: Path) -> str | None:
+    """The first entry of an inductor cache that torch would fail on instead of compiling
+    again, described, or None. torch detects a damaged FX graph or AOT autograd entry itself (a
+    warning, then a compile), but trusts the generated modules and kernels that those entries
+    name: an empty or garbled `.py` or `.so`, or a directory where a module, kernel or lock
+    file belongs, stops the compile with an exception (torch 2.13, measured)."""
+    if not inductor.is_dir():
+        return None
+    for root, dirs, files in os.walk(inductor):
+        for name in dirs:
+            if Path(name).suffix in (".py", ".so", ".lock"):
+                return f"{Path(root, name)} is a directory"
+        for name in files:
+            file = Path(root, name)
+            if file.suffix == ".so" and not _whole_elf(file):
+                return f"{file} is not a whole shared library"
+            if file.suffix == ".py" and not _python_source(file):
+                return f"{file} is not a Python module"
+    return None
+
+
+def _whole_elf(file: Path) -> bool:
+    """Whether `file` starts with a 64-bit ELF header whose section headers lie inside it (a
+    truncated library fails this)."""
+    with file.open("rb") as f:
+        header = f.read(64)
+    if len(header) < 64 or header[:5] != b"\x7fELF\x02":
+        return False
+    order = "<" if header[5] == 1 else ">"
+    (shoff,) = struct.unpack_from(order + "Q", header, 0x28)
+    shentsize, shnum = struct.unpack_from(order + "HH", header, 0x3A)
+    return bool(shoff + shentsize * shnum <= file.stat().st_size)
+
+
+def _python_source(file: Path) -> bool:
+    """Whether `file` is non-empty, UTF-8 and compiles."""
+    try:
+        source = file.read_bytes().decode()
+        compile(source, str(file), "exec", dont_inherit=True)
+    except (UnicodeDecodeError, SyntaxError, ValueError):
+        return False
+    return bool(source.strip())
 
 
 def cache_use() -> tuple[int, int]:
