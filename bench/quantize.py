@@ -4,7 +4,10 @@ The embedded SmolLM2-135M as the worker serves it (`load_model(serving=True)`, b
 `--quantize none` (oneDNN-prepacked bf16 weights), `int8` (per-channel int8 weights) and `int4`
 (the GGUF's own Q4_1 weights), each through the worker's `ForwardRunner` with its compiled decode
 graph. Decode step = B rows x 1 token at a 256-position KV length; the median of `--repeats`
-timings of `--steps` steps, the variants interleaved so that load drifts hit them alike.
+timings of `--steps` steps, the variants interleaved so that load drifts hit them alike. Each
+timing runs in a process of its own (`--variant`): the worker compiles `step_logits` without
+guards on module attributes, so in one process every model after the first would run the first
+one's graph (which is what an earlier version of this benchmark measured: three equal times).
 
 Greedy drift: the first `--tokens` greedy tokens of each variant (eager, same kernels) on three
 known prompts, against the fp32 reference model (`--quantize none --dtype float32`): the number
@@ -20,6 +23,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +39,7 @@ from maskwire.tokenizer import load_tokenizer  # noqa: E402
 from neuron_worker.backends import create_backend  # noqa: E402
 from neuron_worker.graphs import ForwardRunner, Pass  # noqa: E402
 from neuron_worker.model import Transformer, load_model  # noqa: E402
+from neuron_worker.tuning import default_compile_cache, use_compile_cache  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 SCHEMES = ("none", "int8", "int4")
@@ -72,6 +77,22 @@ def time_decode(runner: ForwardRunner, rows: int, steps: int) -> float:
     for _ in range(steps):
         runner.run(p)
     return (time.perf_counter() - began) / steps
+
+
+def time_variant(scheme: str, steps: int) -> dict[int, float]:
+    """Seconds per compiled decode step at B = 1 and B = 8 (graphs from the compile cache)."""
+    use_compile_cache(default_compile_cache() / "bench-quantize")
+    runner = ForwardRunner(
+        serving_model(scheme),
+        create_backend("cpu", compile=True),
+        max_rows=MAX_ROWS,
+        max_seq=KV,
+        pad_slot=MAX_ROWS,
+    )
+    with torch.inference_mode():
+        time_decode(runner, 2, 1)  # compile (or load) both ends of the row range
+        time_decode(runner, MAX_ROWS, 1)
+        return {rows: time_decode(runner, rows, steps) for rows in (1, 8)}
 
 
 def greedy(model: Transformer, prompt: list[int], n: int) -> list[int]:
@@ -115,8 +136,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--variant", choices=SCHEMES, help="time this scheme alone (internal)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.variant:
+        print(json.dumps(time_variant(args.variant, args.steps)))
+        return 0
     tok = load_tokenizer("default")
     prompts = [tok.encode(text) for text in PROMPTS]
 
@@ -124,32 +149,32 @@ def main() -> int:
         reference = serving_model("none", torch.float32)
         ref_tokens = [greedy(reference, pr, args.tokens) for pr in prompts]
         del reference
-        models = {s: serving_model(s) for s in SCHEMES}
-        drift = {
-            s: [
-                agreeing_prefix(greedy(m, pr, args.tokens), want)
+        drift = {}
+        for s in SCHEMES:
+            model = serving_model(s)
+            drift[s] = [
+                agreeing_prefix(greedy(model, pr, args.tokens), want)
                 for pr, want in zip(prompts, ref_tokens, strict=True)
             ]
-            for s, m in models.items()
-        }
-        runners = {
-            s: ForwardRunner(
-                m,
-                create_backend("cpu", compile=True),
-                max_rows=MAX_ROWS,
-                max_seq=KV,
-                pad_slot=MAX_ROWS,
-            )
-            for s, m in models.items()
-        }
-        for r in runners.values():  # compile the decode graph (both ends of its row range)
-            time_decode(r, 2, 1)
-            time_decode(r, MAX_ROWS, 1)
-        times: dict[str, dict[int, list[float]]] = {s: {1: [], 8: []} for s in SCHEMES}
-        for _ in range(args.repeats):
-            for rows in (1, 8):
-                for s, r in runners.items():
-                    times[s][rows].append(time_decode(r, rows, args.steps))
+            del model
+    times: dict[str, dict[int, list[float]]] = {s: {1: [], 8: []} for s in SCHEMES}
+    for _ in range(args.repeats):
+        for s in SCHEMES:
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--variant",
+                    s,
+                    *("--steps", str(args.steps)),
+                    *("--threads", str(args.threads)),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            for rows, seconds in json.loads(out.splitlines()[-1]).items():
+                times[s][int(rows)].append(seconds)
 
     result: dict[str, Any] = {
         "benchmark": "quantize",

@@ -98,6 +98,12 @@ def resolve(
     sharded model runs eager with unquantized kernels (its collectives are not traced into
     compiled graphs, and the weight-only kernels quantize whole tensors)."""
     if tensor_parallel > 1:
+        if device == "xla":
+            raise SystemExit(
+                "--tensor-parallel-size > 1 needs --device cpu or cuda: the XLA collectives "
+                "(xm.all_reduce / all_gather over the Neuron TP group, docs/neuron.md) are not "
+                "written yet"
+            )
         if compile:
             raise SystemExit("--compile needs --tensor-parallel-size 1 (sharded models run eager)")
         if quantize not in ("auto", "none"):

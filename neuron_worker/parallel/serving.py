@@ -318,6 +318,8 @@ def _follower_main(rank: int, world: int, init_method: str, spec: RankSpec) -> N
         level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s"
     )
     torch.set_num_threads(spec.threads)
+    if spec.device == "cuda":  # one GPU per rank; rank 0 (the server) keeps device 0
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     backend = create_backend(spec.device, compile=False)
     group = init_group(rank, world, init_method, device=backend.device, timeout_s=spec.timeout_s)
     try:

@@ -80,6 +80,18 @@ def test_flags_override_and_contradictions_are_refused(bf16_cpu: None) -> None:
         settings(device="cuda", quantize="int8")
 
 
+def test_tensor_parallel_runs_eager_and_unquantized(bf16_cpu: None) -> None:
+    t = settings(tensor_parallel=2)
+    assert (t.dtype, t.compile, t.quantize, t.warmup) == (torch.bfloat16, False, "none", False)
+    assert t.compile_cache is None
+    with pytest.raises(SystemExit, match="--compile needs --tensor-parallel-size 1"):
+        settings(tensor_parallel=2, compile=True)
+    with pytest.raises(SystemExit, match="--quantize int4 needs --tensor-parallel-size 1"):
+        settings(tensor_parallel=2, quantize="int4")
+    with pytest.raises(SystemExit, match="XLA collectives"):
+        settings(device="xla", tensor_parallel=2)
+
+
 def test_xla_is_bucketed_eager_torch_with_warm_up() -> None:
     t = settings(device="xla")
     assert (t.dtype, t.compile, t.quantize, t.warmup) == (torch.float32, False, "none", True)
