@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class _RankSampler:
@@ -257,42 +259,37 @@ class LeaderDevice:
     def occurrences(self) -> OccurrenceTable | None:
         return self.local.occurrences
 
-    def _call(self, name: str, *args: Any) -> Any:
+    def _call(self, name: str, args: tuple[Any, ...], run: Callable[[], T]) -> T:
+        """Send ``name(*args)`` to the followers, then ``run`` it here."""
         try:
             _broadcast_call(name, *args)
-            if name == "stop":
-                return None
-            if name == "warmup":
-                return self.local.warmup(*args)
-            return getattr(self.local, name)(*args)
+            return run()
         except Exception as e:
             raise DeviceLostError(self._explain(e)) from e
 
     def setup(self) -> None:
-        self._call("setup")
+        self._call("setup", (), self.local.setup)
 
     def forward(self, p: Pass) -> Logits:
-        return self._call("forward", p)
+        return self._call("forward", (p,), lambda: self.local.forward(p))
 
     def share(self, logits: Logits, copies: list[tuple[int, int, int]], index: list[int]) -> Logits:
-        return self._call("share", logits, copies, index)
+        args = (logits, copies, index)
+        return self._call("share", args, lambda: self.local.share(*args))
 
     def replace(self, logits: Logits, ff: Logits, dst: list[int]) -> Logits:
-        return self._call("replace", logits, ff, dst)
+        return self._call("replace", (logits, ff, dst), lambda: self.local.replace(logits, ff, dst))
 
     def sample(self, logits: Logits, batch: SampleBatch) -> Sampled:
-        return self._call("sample", logits, batch)
+        return self._call("sample", (logits, batch), lambda: self.local.sample(logits, batch))
 
     def warmup(self, on_graph: Callable[[str], None]) -> int:
-        try:
-            _broadcast_call("warmup")  # the followers warm up with their own no-op callback
-            return self.local.warmup(on_graph)
-        except Exception as e:
-            raise DeviceLostError(self._explain(e)) from e
+        # The followers warm up with a no-op callback.
+        return self._call("warmup", (), lambda: self.local.warmup(on_graph))
 
     def close(self) -> None:
         """Tell the followers to leave their loop (they then exit)."""
-        self._call("stop")
+        self._call("stop", (), lambda: None)
 
 
 @torch.inference_mode()

@@ -225,6 +225,7 @@ def hollow(file: Path, i: int) -> None:
         file.mkdir()
 
 
+@pytest.mark.slow  # three real compiles in subprocesses: ~60 s on 2 cores
 @pytest.mark.parametrize("damage", [garble, hollow], ids=["garbled", "hollow"])
 def test_a_damaged_cache_is_compiled_again(
     damage: object, filled_cache: Path, tmp_path: Path
