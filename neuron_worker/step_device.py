@@ -301,15 +301,16 @@ class StepDevice:
                 extras.any_penalty = extras.any_logprobs = True
             if extras is not None and extras.any_penalty:
                 lg = self._penalize(lg, extras, pad)
-            out = self.sampler(lg, self._sampler_mask(mask), tensors)
+            mask = self._sampler_mask(mask)
+            out = self.sampler(lg, mask, tensors)
             logprobs: list[TokenLogprob] = []
             if extras is not None and extras.any_logprobs:
                 raw_mode = torch.tensor(extras.raw_mode + [False] * pad, dtype=torch.bool)
-                chosen, top_ids, top_lp = self._logprobs(
+                lp = self.sampler.logprobs(
                     logits, lg, mask, tensors.temperature, out, backend.to_device(raw_mode)
                 )
                 backend.mark_step()
-                logprobs = _token_logprobs(chosen, top_ids, top_lp)
+                logprobs = _token_logprobs(lp.chosen, lp.top_ids, lp.top_logprobs)
             backend.mark_step()
             return Sampled([int(x) for x in out.tolist()], logprobs)
 
@@ -325,7 +326,8 @@ class StepDevice:
         return logits.index_copy(1, self._eos_index, eos_cols)
 
     def _sampler_mask(self, mask: Tensor | None) -> Tensor | None:
-        """The packed rows the sampler applies (a sharded device keeps its slice's words)."""
+        """The packed rows the sampler and the logprobs apply (a sharded device keeps its
+        slice's words)."""
         return mask
 
     def _penalize(self, logits: Tensor, extras: Extras, pad: int) -> Tensor:
@@ -350,19 +352,6 @@ class StepDevice:
             device=self.backend.device,
         )
         return self.sampler.penalize(logits, counts, seen, params)
-
-    def _logprobs(
-        self,
-        raw: Tensor,
-        processed: Tensor,
-        mask: Tensor | None,
-        temperature: Tensor,
-        tokens: Tensor,
-        raw_mode: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """(chosen, top ids, top logprobs) of each row (:func:`neuron_worker.logprobs.token_logprobs`)."""
-        lp = self.sampler.logprobs(raw, processed, mask, temperature, tokens, raw_mode)
-        return lp.chosen, lp.top_ids, lp.top_logprobs
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self, on_graph: Callable[[str], None]) -> int:

@@ -1,7 +1,8 @@
 """Log-probabilities over a vocabulary split across ranks, without gathering the logits.
 
-The sharded counterpart of :func:`neuron_worker.logprobs.token_logprobs`, with the same inputs
-and outputs. Each rank computes, per row, the log of its slice's softmax mass, the sampled token's
+The sharded counterpart of :func:`neuron_worker.logprobs.token_logprobs`, in two halves around
+one all-gather (:func:`local_logprob_parts` per rank, :func:`combine_logprobs` on every rank).
+Each rank computes, per row, the log of its slice's softmax mass, the sampled token's
 score where the token is in its slice, and its top :data:`~neuron_worker.logprobs.TOP_WIDTH`
 scores with their global ids; one ``all_gather`` of those ``[B, 2 + 2 * TOP_WIDTH]`` values
 (``O(batch · ranks)``) and every rank combines them: the global log-sum-exp is the log-sum-exp of
@@ -15,42 +16,11 @@ from torch import Tensor
 
 from neuron_worker.logprobs import TOP_WIDTH
 from neuron_worker.masks import unpack_mask
-from neuron_worker.parallel.group import Collectives
 from neuron_worker.parallel.vocab import VocabShard
 
-__all__ = ["combine_logprobs", "local_logprob_parts", "sharded_logprobs"]
+__all__ = ["combine_logprobs", "local_logprob_parts"]
 
 _NEG_INF = float("-inf")
-
-
-def sharded_logprobs(
-    raw: Tensor,
-    processed: Tensor,
-    mask_words: Tensor | None,
-    temperature: Tensor,
-    tokens: Tensor,
-    raw_mode: Tensor,
-    *,
-    shard: VocabShard,
-    vocab_size: int,
-    group: Collectives,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(chosen [B], top_ids [B, K], top_logprobs [B, K])`` as ``token_logprobs`` computes them
-    on the whole row (K = ``min(TOP_WIDTH, vocab_size)``), from this rank's ``[B, shard.width]``
-    logits and its ``mask_words`` (``shard_mask_words``): :func:`local_logprob_parts`, one
-    all-gather, :func:`combine_logprobs`. Every rank of ``group`` must call it; all return the
-    same values."""
-    mine = local_logprob_parts(
-        raw,
-        processed,
-        mask_words,
-        temperature,
-        tokens,
-        raw_mode,
-        shard=shard,
-        vocab_size=vocab_size,
-    )
-    return combine_logprobs(group.all_gather(mine), k=min(TOP_WIDTH, vocab_size))
 
 
 def local_logprob_parts(

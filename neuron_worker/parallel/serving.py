@@ -33,10 +33,11 @@ from torch import Tensor
 from neuron_worker.backends import Backend, create_backend
 from neuron_worker.engine_config import EngineConfig
 from neuron_worker.graphs import Pass
+from neuron_worker.logprobs import TOP_WIDTH
 from neuron_worker.parallel.followers import RankMonitor
 from neuron_worker.parallel.group import Collectives, init_group
 from neuron_worker.parallel.launch import free_port
-from neuron_worker.parallel.logprobs import sharded_logprobs
+from neuron_worker.parallel.logprobs import combine_logprobs, local_logprob_parts
 from neuron_worker.parallel.model import shard_transformer
 from neuron_worker.parallel.sampling import ShardedSampler
 from neuron_worker.parallel.vocab import VocabShard, shard_mask_words
@@ -102,20 +103,20 @@ class _RankSampler:
         tokens: Tensor,
         raw_mode: Tensor,
     ) -> Logprobs:
+        """``mask_words``: this rank's words; one all-gather of O(rows) values."""
         s = self.sharded
-        return Logprobs(
-            *sharded_logprobs(
-                raw,
-                processed,
-                mask_words,
-                temperature,
-                tokens,
-                raw_mode,
-                shard=s.shard,
-                vocab_size=s.vocab_size,
-                group=s.group,
-            )
+        mine = local_logprob_parts(
+            raw,
+            processed,
+            mask_words,
+            temperature,
+            tokens,
+            raw_mode,
+            shard=s.shard,
+            vocab_size=s.vocab_size,
         )
+        k = min(TOP_WIDTH, s.vocab_size)
+        return Logprobs(*combine_logprobs(s.group.all_gather(mine), k=k))
 
 
 class ShardedStepDevice(StepDevice):
@@ -158,19 +159,6 @@ class ShardedStepDevice(StepDevice):
 
     def _penalize(self, logits: Tensor, extras: Extras, pad: int) -> Tensor:
         return super()._penalize(logits, localize_extras(extras, self.shard), pad)
-
-    def _logprobs(
-        self,
-        raw: Tensor,
-        processed: Tensor,
-        mask: Tensor | None,
-        temperature: Tensor,
-        tokens: Tensor,
-        raw_mode: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        return super()._logprobs(
-            raw, processed, self._sampler_mask(mask), temperature, tokens, raw_mode
-        )
 
 
 def localize_extras(e: Extras, shard: VocabShard) -> Extras:
