@@ -770,7 +770,18 @@ class Engine:
         slot's scratch position), so a static-shape backend (XLA) compiles them all before
         serving. `on_graph(label)` is called after each one. Returns the number of graphs."""
         began = time.perf_counter()
-        count = await self._on_device(lambda: self.device.warmup(on_graph or (lambda _: None)))
+        last = began
+
+        def graph_done(label: str) -> None:
+            # Per graph, so that an operator sees where a slow (cold-cache) start goes.
+            nonlocal last
+            now = time.perf_counter()
+            log.info("warm-up: %s in %.1fs", label, now - last)
+            last = now
+            if on_graph is not None:
+                on_graph(label)
+
+        count = await self._on_device(lambda: self.device.warmup(graph_done))
         log.info("warm-up ran %d graphs in %.1fs", count, time.perf_counter() - began)
         return count
 
