@@ -86,9 +86,15 @@ def test_the_default_configuration_compiles_everything_before_ready(
     cold: tuple[ServiceProcess, int],
 ) -> None:
     worker, _ = cold
-    assert expected_settings() in worker.log_text()
+    log = worker.log_text()
+    assert expected_settings() in log
     loaded, compiled = cache_use(worker)
     assert loaded == 0 and compiled > 0
+    # Each warm-up graph is logged with its time, so an operator sees where a cold start goes.
+    total = re.search(r"warm-up ran (\d+) graphs", log)
+    assert total, log[-3000:]
+    timed = re.findall(r"warm-up: (forward|sampler|jump-forward) .* in \d+\.\ds", log)
+    assert len(timed) == int(total.group(1)) and "forward" in timed, log[-3000:]
 
 
 async def mixed_load(address: str) -> list[Result]:
