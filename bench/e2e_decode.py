@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from maskwire.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 from maskwire.v1 import common_pb2, worker_pb2  # noqa: E402
+from neuron_worker import device_thread  # noqa: E402
 from neuron_worker.backends import create_backend  # noqa: E402
 from neuron_worker.detokenize import Detokenizer  # noqa: E402
 from neuron_worker.engine import Engine, EngineConfig  # noqa: E402
@@ -253,8 +254,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     tok = load_tokenizer("default")
     from neuron_worker.model import load_model
 
-    real = load_model("default")
-    real.eval()
+    # On the engine's device thread, as the worker does (`neuron_worker.device_thread`).
+    real = await device_thread.run(lambda: load_model("default").eval())
     vocab = int(real.config.vocab_size)
     models: dict[str, StepModel] = {}
     for name in args.models.split(","):
@@ -287,13 +288,15 @@ async def bench_level(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     """Every variant at one concurrency, interleaved over the rounds."""
-    sampler = Sampler(
-        vocab_size=tok.vocab_size,
-        logits_size=int(model.config.vocab_size),
-        max_rows=conc,
-        device=torch.device("cpu"),
-        structured_outputs=True,
-        compile=False,
+    sampler = await device_thread.run(
+        lambda: Sampler(
+            vocab_size=tok.vocab_size,
+            logits_size=int(model.config.vocab_size),
+            max_rows=conc,
+            device=torch.device("cpu"),
+            structured_outputs=True,
+            compile=False,
+        )
     )
     # c1: two requests one after the other; cN: N requests together.
     kw = dict(concurrency=conc, max_tokens=args.max_tokens, n_requests=max(conc, 2))

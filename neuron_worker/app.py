@@ -18,6 +18,7 @@ from maskwire.rpc import Server, start_metrics_server
 from maskwire.tls import ClientTLS, server_tls_mode
 from maskwire.tokenizer import Tokenizer, load_tokenizer
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
+from neuron_worker import device_thread
 from neuron_worker.backends import create_backend
 from neuron_worker.drafter import DraftConfig
 from neuron_worker.engine import Engine, EngineConfig
@@ -132,15 +133,18 @@ async def serve(
     tokenizer = load_tokenizer(args.model)
     backend = create_backend(args.device, compile=tuning.compile)
     tp = args.tensor_parallel_size
-    model = load_model(
-        args.model,
-        device=backend.device,
-        dtype=tuning.dtype,
-        serving=tp == 1,  # a sharded model gets its serving kernels after sharding
-        quantize=tuning.quantize,
-        quantize_rows=args.max_batch_size,  # every decode pass
+    # From here on torch runs on the device thread only (`neuron_worker.device_thread`: a second
+    # thread running torch doubles the forward's time on a small machine).
+    model = await device_thread.run(
+        lambda: load_model(
+            args.model,
+            device=backend.device,
+            dtype=tuning.dtype,
+            serving=tp == 1,  # a sharded model gets its serving kernels after sharding
+            quantize=tuning.quantize,
+            quantize_rows=args.max_batch_size,  # every decode pass
+        ).eval()
     )
-    model.eval()
     config = engine_config(
         args,
         int(model.config.max_seq_len),
@@ -151,29 +155,32 @@ async def serve(
     ranks: RankGroup | None = None
     device: StepDeviceLike
     if tp > 1:
-        ranks = await asyncio.to_thread(
-            RankGroup.start, model, rank_spec(args, tuning.dtype, config, tokenizer), tp, backend
-        )
+        spec = rank_spec(args, tuning.dtype, config, tokenizer)
+        ranks = await device_thread.run(lambda: RankGroup.start(model, spec, tp, backend))
         device = ranks.leader
         log.info("tensor parallel: %d ranks, rank 0 holds %s", tp, ranks.leader.shard)
     else:
-        sampler = Sampler(
-            vocab_size=tokenizer.vocab_size,
-            logits_size=int(model.config.vocab_size),
-            # Verification passes sample every draft position: 1 + K logits rows per request.
-            max_rows=max(2, config.batch_buckets[-1]) * config.verify_width,
-            device=backend.device,
-            structured_outputs=config.structured_outputs,
-            compile=backend.compile_enabled,
-        )
-        device = StepDevice(
-            model=model,
-            backend=backend,
-            sampler=sampler,
-            config=config,
-            eos_ids=tuple(tokenizer.eos_token_ids),
-            words=tokenizer.words_per_row,
-        )
+
+        def build() -> StepDevice:
+            sampler = Sampler(
+                vocab_size=tokenizer.vocab_size,
+                logits_size=int(model.config.vocab_size),
+                # Verification passes sample every draft position: 1 + K logits rows per request.
+                max_rows=max(2, config.batch_buckets[-1]) * config.verify_width,
+                device=backend.device,
+                structured_outputs=config.structured_outputs,
+                compile=backend.compile_enabled,
+            )
+            return StepDevice(
+                model=model,
+                backend=backend,
+                sampler=sampler,
+                config=config,
+                eos_ids=tuple(tokenizer.eos_token_ids),
+                words=tokenizer.words_per_row,
+            )
+
+        device = await device_thread.run(build)
 
     grammar: GrammarClient | None = None
     resolver: Resolver | None = None

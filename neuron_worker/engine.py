@@ -25,7 +25,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -35,6 +34,7 @@ import numpy as np
 from maskwire.rpc import RpcError
 from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import grammar_pb2, worker_pb2
+from neuron_worker import device_thread
 from neuron_worker.drafter import DraftBudget, NgramDrafter, accepted_prefix
 from neuron_worker.engine_config import EngineConfig
 from neuron_worker.grammar_client import GrammarClient, GrammarRequest, RowOutcome
@@ -91,7 +91,7 @@ def _sync_history(drafter: NgramDrafter, r: Request) -> None:
 
 
 class Engine:
-    """Owns the scheduler, the device thread and the step loop."""
+    """Owns the scheduler and the step loop; device work runs on `neuron_worker.device_thread`."""
 
     def __init__(
         self,
@@ -126,7 +126,6 @@ class Engine:
         self.pad_slot = device.pad_slot
         self.forward = device.runner  # the shapes of passes; `device.forward` runs them
         self.compiles = CompileCounter(self.metrics.compiled_while_serving)
-        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maskwire-device")
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -181,10 +180,9 @@ class Engine:
             await self.grammar.aclose()
         if self.lost is None:
             await self._on_device(self.device.close)
-        self._device.shutdown(wait=True)
 
     async def _on_device(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._device, fn)
+        return await device_thread.run(fn)
 
     # ------------------------------------------------------------------ requests in and out
     async def submit(self, req: Request) -> list[str]:

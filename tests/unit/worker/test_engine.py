@@ -9,6 +9,7 @@ jump-forward can all be checked against the same reference.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 from maskwire.rpc import RpcError
 from maskwire.tokenizer import load_tokenizer
 from maskwire.v1 import common_pb2, worker_pb2
+from neuron_worker import device_thread
 from neuron_worker.backends import create_backend
 from neuron_worker.detokenize import Detokenizer
 from neuron_worker.drafter import DraftConfig
@@ -52,8 +54,10 @@ class FakeModel:
         self.live_slots: set[int] = set()
         self.pad_writes = 0
         self.rule = next_token  # the next token after a sequence
+        self.threads: set[str] = set()  # the threads that called the model
 
     def setup_caches(self, max_batch: int, max_seq: int) -> None:
+        self.threads.add(threading.current_thread().name)
         self.cache = np.full((max_batch, max_seq), -1, dtype=np.int64)
         self.copies: list[tuple[int, int, int]] = []
 
@@ -69,6 +73,7 @@ class FakeModel:
         kv_positions: torch.Tensor,
         last: torch.Tensor,
     ) -> torch.Tensor:
+        self.threads.add(threading.current_thread().name)
         b, t = tokens.shape
         kv_len = kv_positions.shape[0]
         for i in range(b):  # every write of the pass first, as the model's layers do
@@ -222,7 +227,7 @@ async def collect(req: Request) -> tuple[list[int], str, worker_pb2.GenerateResp
 async def test_continuous_batching_matches_reference(overlap: bool, bucketed: bool) -> None:
     """Both shape policies: with dynamic shapes a lone decode row gets a padding row and a lone
     multi-token row is split in two half-rows on its own slot; outputs must not change."""
-    engine, _ = make_engine(overlap=overlap, bucketed=bucketed)
+    engine, model = make_engine(overlap=overlap, bucketed=bucketed)
     await engine.start()
     try:
         reqs = [request(i, constrained=i % 2 == 0) for i in range(7)]  # more than 4 slots
@@ -249,6 +254,9 @@ async def test_continuous_batching_matches_reference(overlap: bool, bucketed: bo
             assert final.finish_reason == worker_pb2.FINISH_REASON_LENGTH
             assert final.usage.forward_passes == len(want)
     assert not engine.requests and not engine.scheduler.running
+    # Every model call ran on the process's one device thread (`neuron_worker.device_thread`).
+    device = device_thread.executor().submit(lambda: threading.current_thread().name).result()
+    assert model.threads == {device}
 
 
 async def test_without_jump_forward_grammar_gets_no_ff_option() -> None:
