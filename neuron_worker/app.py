@@ -68,6 +68,7 @@ def engine_config(
             else pow2_buckets(min(128, max_seq), max_seq)
         ),
         max_prefill_tokens=args.max_prefill_tokens,
+        flat_tokens=None if args.flat_pass_tokens < 0 else args.flat_pass_tokens,
         # A decode step is one token per row: 1 is always a bucket.
         token_buckets=tuple(sorted({1, *parse_buckets(args.token_buckets, max_seq, 1)})),
         bucketed=bucketed,

@@ -20,10 +20,13 @@ class EngineConfig:
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
     seq_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
     max_prefill_tokens: int = 4096
+    # Multi-token passes of at most this many tokens run one token per row (`neuron_worker.graphs`,
+    # dynamic shapes); None = the runner's default, 0 = never.
+    flat_tokens: int | None = None
     # Tokens per row in one forward pass (prefill, jump-forward); () = 1, 2, 4, ..., max_seq_len.
     token_buckets: tuple[int, ...] = ()
     # Forward shapes: every dimension padded to the buckets above (XLA: one graph per bucket), or
-    # dynamic (two graphs with symbolic sizes; `neuron_worker.graphs`). The sampler always uses
+    # dynamic (three graphs with symbolic sizes; `neuron_worker.graphs`). The sampler always uses
     # `batch_buckets`.
     bucketed: bool = True
     structured_outputs: bool = True

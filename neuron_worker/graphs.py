@@ -7,13 +7,21 @@ Two shape policies:
 
 * **Buckets** (XLA, where every distinct shape is a graph): rows, tokens per row and the KV length
   are each padded to a bucket; every (rows, tokens, kv) bucket is one graph, all traced at warm-up.
-* **Dynamic** (`torch.compile` on CPU/CUDA, and eager): two graphs in all. `decode` takes one token
-  per row; `multi` takes several (prefill, jump-forward, speculative verification). Rows (2..max),
-  tokens per row (2..max), logits rows (2..max) and the KV length (2..max) are symbolic, so no
-  request shape can need a new graph. Passes are padded to 2 rows at least: a 1-row decode gets a
-  padding row; a 1-row multi-token pass is split into two half-rows on the same cache slot (the
-  second attends the first's keys, written earlier in the same layer), which costs nothing.
-  Symbolic sizes start at 2 because torch specializes sizes 0 and 1.
+* **Dynamic** (`torch.compile` on CPU/CUDA, and eager): three graphs in all. `decode` takes one
+  token per row, up to `max_rows` rows; `multi` takes several (prefill, jump-forward, speculative
+  verification). Rows (2..max), tokens per row (2..max), logits rows (2..max) and the KV length
+  (2..max) are symbolic, so no request shape can need a new graph. Passes are padded to 2 rows at
+  least: a 1-row decode gets a padding row; a 1-row multi-token pass is split into two half-rows
+  on the same cache slot (the second attends the first's keys, written earlier in the same
+  layer), which costs nothing. Symbolic sizes start at 2 because torch specializes sizes 0 and 1.
+  **Flat passes**: a multi-token pass of at most `flat_tokens` real tokens runs instead as one
+  token per row, each on its row's cache slot (the same trick as the split: a token attends the
+  keys its row's earlier tokens wrote in the same layer). A jump-forward or verification pass is
+  mostly padding in the [rows x tokens] grid (8 rows, one with 5 forced tokens, is 48 tokens for
+  12 real ones); flat, its matmuls see only the real tokens, and up to `max_rows` tokens it is
+  the decode graph itself, with the decode pass's kernels (4-bit weights where the worker uses
+  them): the same per-row results as decoding those tokens one step at a time. Above `max_rows`
+  tokens it is the third graph, `wide` (one token per row, `max_rows + 1`..`flat_tokens` rows).
 
 Which logits a pass returns: a decode pass, one per row; a multi-token pass, one per entry of
 `Pass.last`, a flat index into the [rows x tokens] grid, so a verification pass returns the logits
@@ -90,9 +98,12 @@ class ForwardRunner:
         token_buckets: Sequence[int] = (),
         seq_buckets: Sequence[int] = (),
         verify_width: int = 1,
+        flat_tokens: int | None = None,
     ) -> None:
         """Buckets given: the bucket policy (all three must be); none: dynamic shapes.
-        `verify_width`: logits rows per row of a verification pass (1 + drafts; 1 = none)."""
+        `verify_width`: logits rows per row of a verification pass (1 + drafts; 1 = none).
+        `flat_tokens`: the most real tokens of a multi-token pass run flat (module docstring;
+        dynamic policy only; None = `max_rows * max(4, verify_width)`, 0 = never)."""
         self.model = model
         self.backend = backend
         self.max_rows = max_rows
@@ -103,6 +114,9 @@ class ForwardRunner:
         self.token_buckets = list(token_buckets)
         self.seq_buckets = list(seq_buckets)
         self.verify_width = max(1, verify_width)
+        if flat_tokens is None:
+            flat_tokens = max(2, max_rows) * max(4, self.verify_width)
+        self.flat_tokens = 0 if self.bucketed else flat_tokens
         self.dynamic = backend.compile_enabled and not self.bucketed
         # One compiled function; its decode (1 token per row) and multi-token graphs differ in
         # the token dimension, static 1 in one and symbolic in the other.
@@ -136,8 +150,15 @@ class ForwardRunner:
     # ------------------------------------------------------------------ running
     def run(self, p: Pass) -> Tensor:
         """Device thread: logits [len(p.last), vocab] float32 (padding entries: garbage)."""
-        split = not self.bucketed and p.tokens.shape[0] == 1 and p.tokens.shape[1] > 1
-        q = _split_row(p) if split else p
+        picks: np.ndarray | None = None  # flat pass: the row of each entry of `p.last`
+        multi_token = p.tokens.shape[1] > 1
+        if multi_token and 0 < int((p.positions >= 0).sum()) <= self.flat_tokens:
+            q, picks = _flatten(p)
+        elif not self.bucketed and p.tokens.shape[0] == 1 and multi_token:
+            q = _split_row(p)
+        else:
+            q = p
+        split = q is not p and picks is None
         backend = self.backend
         with backend.inference_mode():
             args = (
@@ -149,9 +170,13 @@ class ForwardRunner:
             )
             multi = q.tokens.shape[1] > 1
             if self.dynamic:
-                _mark_dynamic(args, multi, self.max_rows, self.max_seq, self.verify_width)
+                _mark_dynamic(
+                    args, multi, self.max_rows, self.max_seq, self.verify_width, self.flat_tokens
+                )
             logits = self._step(*args)
-            if split and not multi:
+            if picks is not None:
+                logits = logits.index_select(0, backend.to_device(torch.from_numpy(picks)))
+            elif split and not multi:
                 # Two halves of one token each ran as a decode pass, which returns both rows:
                 # the flat indices of `last` are those rows.
                 logits = logits.index_select(0, args[4])
@@ -204,12 +229,15 @@ class ForwardRunner:
         # Both ends of every symbolic range: the graphs must cover them without recompiling.
         small, big = max(2, KV_ALIGN), self.max_seq
         rows = max(2, self.max_rows)
-        return [
+        passes = [
             (2, 1, small, 2),
             (rows, 1, big, rows),
             (2, 2, small, 2),
             (rows, min(64, big), big, max(2, rows * self.verify_width)),
         ]
+        if self.flat_tokens > rows:  # the wide graph: flat passes of more than `rows` tokens
+            passes += [(rows + 1, 1, small, 2), (self.flat_tokens, 1, big, 2)]
+        return passes
 
 
 def _split_row(p: Pass) -> Pass:
@@ -226,16 +254,46 @@ def _split_row(p: Pass) -> Pass:
     return Pass(tokens, positions, np.repeat(p.slots[:1], 2), p.last, p.kv_len)
 
 
+def _flatten(p: Pass) -> tuple[Pass, np.ndarray]:
+    """A multi-token pass as one row per real token (a decode pass), and for each entry of
+    `p.last` the row that now holds that token (padding entries: row 0)."""
+    real = np.flatnonzero(p.positions.reshape(-1) >= 0)
+    row_of = np.zeros(p.tokens.size, dtype=np.int64)
+    row_of[real] = np.arange(len(real))
+    tokens = p.tokens.reshape(-1)[real]
+    positions = p.positions.reshape(-1)[real]
+    slots = np.repeat(p.slots, p.tokens.shape[1])[real]
+    if len(real) < 2:  # a pass has 2 rows at least (module docstring): one padding row
+        tokens, positions, slots = (
+            np.append(tokens, 0),
+            np.append(positions, -1),
+            np.append(slots, p.slots[-1]),
+        )
+    # A decode pass returns every row's logits and ignores `last` (2 entries: its minimum size).
+    flat = Pass(
+        tokens.reshape(-1, 1), positions.reshape(-1, 1), slots, np.zeros(2, np.int64), p.kv_len
+    )
+    return flat, row_of[p.last]
+
+
 def _mark_dynamic(
-    args: tuple[Tensor, ...], multi: bool, max_rows: int, max_seq: int, verify_width: int
+    args: tuple[Tensor, ...],
+    multi: bool,
+    max_rows: int,
+    max_seq: int,
+    verify_width: int,
+    flat_tokens: int,
 ) -> None:
     tokens, pos, slots, kv, last = args
     rows_max = max(2, max_rows)
+    low, high = 2, rows_max
+    if not multi and tokens.shape[0] > rows_max:  # a wide flat pass (its own graph)
+        low, high = rows_max + 1, flat_tokens
     for t in (tokens, pos):
-        torch._dynamo.mark_dynamic(t, 0, min=2, max=rows_max)
+        torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
         if multi:
             torch._dynamo.mark_dynamic(t, 1, min=2, max=max_seq)
-    torch._dynamo.mark_dynamic(slots, 0, min=2, max=rows_max)
+    torch._dynamo.mark_dynamic(slots, 0, min=low, max=high)
     torch._dynamo.mark_dynamic(last, 0, min=2, max=max(2, rows_max * verify_width))
     torch._dynamo.mark_dynamic(kv, 0, min=2, max=max_seq)
 

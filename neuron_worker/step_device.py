@@ -181,6 +181,7 @@ class StepDevice:
             token_buckets=token_buckets if config.bucketed else (),
             seq_buckets=config.seq_buckets if config.bucketed else (),
             verify_width=config.verify_width,
+            flat_tokens=config.flat_tokens,
         )
         self.logits_size = int(model.config.vocab_size)
         self.occurrences: OccurrenceTable | None = None  # allocated with the KV cache

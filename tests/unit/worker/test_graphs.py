@@ -1,4 +1,5 @@
-"""The forward runner's shape policies: padding, the split of a lone multi-token row, buckets."""
+"""The forward runner's shape policies: padding, flat passes, the split of a lone multi-token
+row, buckets."""
 
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ def model() -> Transformer:
 def runner(model: Transformer, bucketed: bool) -> ForwardRunner:
     kw = {}
     if bucketed:
-        kw = {"batch_buckets": (1, 2, 4), "token_buckets": (1, 4, 8, 16), "seq_buckets": (32, 64)}
+        kw = {
+            "batch_buckets": (1, 2, 4),
+            "token_buckets": (1, 4, 8, 16, 32),
+            "seq_buckets": (32, 64),
+        }
     return ForwardRunner(model, create_backend("cpu"), max_rows=4, max_seq=64, pad_slot=4, **kw)
 
 
@@ -39,12 +44,15 @@ def one_row(r: ForwardRunner, tokens: list[int], start: int, slot: int, end: int
     return r.run(Pass(tok, pos, slots, last, kv))[0]
 
 
-@pytest.mark.parametrize("length", [2, 5, 8])
-def test_a_lone_prompt_split_in_two_rows_gives_the_same_logits(
+@pytest.mark.parametrize("length", [2, 5, 8, 23])
+def test_a_lone_prompt_flat_or_split_in_two_rows_gives_the_same_logits(
     model: Transformer, length: int
 ) -> None:
-    prompt = [3, 17, 5, 9, 11, 2, 7, 13][:length]
+    """Up to `flat_tokens` (16 here) tokens the prompt runs one token per row, beyond that as
+    two half-rows; either way the logits are those of one padded row."""
+    prompt = ([3, 17, 5, 9, 11, 2, 7, 13] * 3)[:length]
     dynamic = runner(model, bucketed=False)
+    assert dynamic.flat_tokens == 16
     assert dynamic.shape(1, length, length) == (1, length, 64)
     with torch.inference_mode():
         split = one_row(dynamic, prompt, 0, slot=0, end=length)
@@ -54,6 +62,44 @@ def test_a_lone_prompt_split_in_two_rows_gives_the_same_logits(
         nxt_whole = one_row(runner(model, bucketed=True), [4], length, slot=1, end=length + 1)
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(nxt_split, nxt_whole, rtol=1e-5, atol=1e-5)
+
+
+def test_a_flat_pass_gives_the_logits_of_the_padded_grid() -> None:
+    """A jump-forward / verification pass (rows of 1, 4 and 2 tokens after their prompts, logits
+    wanted at every position) run flat gives the logits of the same pass as a padded grid."""
+    m = build_model(TINY, random_weights(TINY))
+    m.setup_caches(8, 64)
+    kw = {"max_rows": 4, "max_seq": 64, "pad_slot": 7, "verify_width": 4}
+    flat = ForwardRunner(m, create_backend("cpu"), **kw)
+    grid = ForwardRunner(m, create_backend("cpu"), flat_tokens=0, **kw)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, TINY.vocab_size, n) for n in (5, 3, 9)]
+    steps = [rng.integers(0, TINY.vocab_size, n) for n in (1, 4, 2)]
+
+    def run(r: ForwardRunner, slots: list[int], tokens: list[np.ndarray], start: list[int]):
+        n, t, kv = r.shape(
+            3,
+            max(len(x) for x in tokens),
+            max(s + len(x) for s, x in zip(start, tokens, strict=True)),
+        )
+        tok = np.zeros((n, t), np.int64)
+        pos = np.full((n, t), -1, np.int64)
+        slot = np.full(n, 7, np.int64)
+        last = []
+        for i, (x, s0) in enumerate(zip(tokens, start, strict=True)):
+            tok[i, : len(x)] = x
+            pos[i, : len(x)] = np.arange(s0, s0 + len(x))
+            slot[i] = slots[i]
+            last += [i * t + j for j in range(len(x))]
+        return r.run(Pass(tok, pos, slot, np.array(last, np.int64), kv))
+
+    with torch.inference_mode():
+        for r, slots in ((flat, [0, 1, 2]), (grid, [3, 4, 5])):
+            run(r, slots, prompts, [0, 0, 0])
+        got = run(flat, [0, 1, 2], steps, [len(x) for x in prompts])
+        want = run(grid, [3, 4, 5], steps, [len(x) for x in prompts])
+    assert got.shape == want.shape == (7, TINY.vocab_size)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_dynamic_shapes_pad_to_two_rows_and_align_kv(model: Transformer) -> None:
