@@ -347,7 +347,8 @@ class Engine:
 
     # ------------------------------------------------------------------ prefill
     async def _prefill(self, reqs: list[Request]) -> None:
-        """Grammar first step, then one forward over prompt + forced tokens, then sample."""
+        """Grammar first step (its forced tokens streamed at once), then one forward over prompt
+        + forced tokens, then sample."""
         started = time.perf_counter()
         constrained = [r for r in reqs if r.grammar is not None]
         outcomes: dict[Request, RowOutcome] = {}
@@ -388,6 +389,9 @@ class Engine:
                 leaders.setdefault(req.group, row)
         if not rows:
             return
+        # The grammar's forced prefix (`{"name": "` of a JSON schema) is output already: stream it
+        # now rather than after the prefill pass, the longest wait of a request's first token.
+        self._flush_outputs()
         logits = await self._forward(rows, "prefill")
         for row in rows:
             row.req.cached = len(row.tokens)

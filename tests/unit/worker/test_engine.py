@@ -55,6 +55,7 @@ class FakeModel:
         self.pad_writes = 0
         self.rule = next_token  # the next token after a sequence
         self.threads: set[str] = set()  # the threads that called the model
+        self.gate: threading.Event | None = None  # set: a forward pass waits until it opens
 
     def setup_caches(self, max_batch: int, max_seq: int) -> None:
         self.threads.add(threading.current_thread().name)
@@ -74,6 +75,8 @@ class FakeModel:
         last: torch.Tensor,
     ) -> torch.Tensor:
         self.threads.add(threading.current_thread().name)
+        if self.gate is not None:
+            assert self.gate.wait(30), "the test never opened the gate"
         b, t = tokens.shape
         kv_len = kv_positions.shape[0]
         for i in range(b):  # every write of the pass first, as the model's layers do
@@ -257,6 +260,26 @@ async def test_continuous_batching_matches_reference(overlap: bool, bucketed: bo
     # Every model call ran on the process's one device thread (`neuron_worker.device_thread`).
     device = device_thread.executor().submit(lambda: threading.current_thread().name).result()
     assert model.threads == {device}
+
+
+async def test_the_forced_prefix_streams_before_the_prefill_pass_ends() -> None:
+    engine, model = make_engine(overlap=False)
+    model.gate = threading.Event()  # every forward pass waits for it
+    await engine.start()
+    try:
+        r = request(0, constrained=True)
+        await engine.submit(r)
+        first = await asyncio.wait_for(r.outputs.get(), 10)
+        assert not isinstance(first, RpcError)
+        # The prefill is still blocked: these tokens came from the grammar's first step alone.
+        assert list(first.token_ids) == FF and first.text == TOK.decode_bytes(FF).decode()
+        model.gate.set()
+        ids, _, final = await collect(r)
+    finally:
+        model.gate.set()
+        await engine.stop()
+    assert [*first.token_ids, *ids] == reference(r.prompt, 12, True, 9)
+    assert final.finish_reason == worker_pb2.FINISH_REASON_STOP
 
 
 async def test_without_jump_forward_grammar_gets_no_ff_option() -> None:
