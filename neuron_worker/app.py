@@ -88,7 +88,17 @@ def ranges_dir(cache: Path | None, args: argparse.Namespace) -> Path | None:
         return None
     spec = draft_config(args)
     width = 1 + (spec.num_draft_tokens if spec else 0)
-    return cache / f"rows{args.max_batch_size}-seq{args.max_seq_len}-verify{width}"
+    flat = args.flat_pass_tokens  # the wide graph's rows go up to it (-1: the runner's default)
+    return cache / f"rows{args.max_batch_size}-seq{args.max_seq_len}-verify{width}-flat{flat}"
+
+
+def verify_pass_tokens(args: argparse.Namespace) -> int:
+    """`--verify-pass-tokens`, with its default resolved: on a CPU, the max batch size (a
+    verification pass then runs flat through the decode graph, whose 4-bit kernels cost per
+    4 rows: more drafts than that cost more than they save); elsewhere no limit."""
+    if args.verify_pass_tokens >= 0:
+        return int(args.verify_pass_tokens)
+    return int(args.max_batch_size) if args.device == "cpu" else 0
 
 
 def draft_config(args: argparse.Namespace) -> DraftConfig | None:
@@ -97,7 +107,10 @@ def draft_config(args: argparse.Namespace) -> DraftConfig | None:
         return None
     try:
         return DraftConfig(
-            num_draft_tokens=args.num_draft_tokens, min_n=args.ngram_min, max_n=args.ngram_max
+            num_draft_tokens=args.num_draft_tokens,
+            min_n=args.ngram_min,
+            max_n=args.ngram_max,
+            pass_tokens=verify_pass_tokens(args),
         )
     except ValueError as e:
         raise SystemExit(f"--speculative ngram: {e}") from None

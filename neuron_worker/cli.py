@@ -147,6 +147,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="most draft tokens per request and step with --speculative (adaptive below it)",
     )
     p.add_argument(
+        "--verify-pass-tokens",
+        type=int,
+        default=-1,
+        help="most tokens in one verification pass, every row's pending, forced and draft "
+        "tokens together; drafts beyond it are not proposed (default -1: the max batch size on "
+        "cpu, where a wider pass costs more than its drafts save; no limit elsewhere; 0: none)",
+    )
+    p.add_argument(
         "--ngram-min", type=int, default=1, help="shortest suffix the n-gram drafter matches"
     )
     p.add_argument(

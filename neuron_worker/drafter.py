@@ -26,6 +26,9 @@ class DraftConfig:
     num_draft_tokens: int = 4
     min_n: int = 1
     max_n: int = 4
+    # Most tokens in one verification pass, all rows together (0 = no limit): drafts beyond it
+    # are not proposed (see `neuron_worker.engine`, `_plan_drafts`).
+    pass_tokens: int = 0
     # Consecutive fully rejected proposals before drafting pauses.
     patience: int = 2
     # First pause, in steps (doubles per pause, capped at `max_cooldown`).
@@ -37,6 +40,8 @@ class DraftConfig:
             raise ValueError("num_draft_tokens must be >= 1")
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError("n-gram sizes must satisfy 1 <= min_n <= max_n")
+        if self.pass_tokens < 0:
+            raise ValueError("pass_tokens must be >= 0")
 
 
 class NgramDrafter:

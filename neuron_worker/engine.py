@@ -525,10 +525,12 @@ class Engine:
 
     # ------------------------------------------------------------------ speculative decode
     def _plan_drafts(self, batch: list[Request]) -> dict[Request, list[int]]:
-        """Stage 1: each request's draft tokens (none when speculation is off for it)."""
+        """Stage 1: each request's draft tokens (none when speculation is off for it), within
+        the pass's token budget (`DraftConfig.pass_tokens`; each row's pending token counts)."""
         spec = self.config.speculative
         if spec is None:
             return {}
+        left = spec.pass_tokens - len(batch) if spec.pass_tokens else None
         drafts: dict[Request, list[int]] = {}
         for r in batch:
             if not r.speculate:
@@ -539,7 +541,11 @@ class Engine:
             assert r.budget is not None
             _sync_history(r.drafter, r)
             want = min(r.budget.want(), self._room(r) - 1)
+            if left is not None:
+                want = min(want, left)
             d = r.drafter.propose(want) if want > 0 else []
+            if left is not None:
+                left -= len(d)
             if d:
                 drafts[r] = d
                 self.metrics.drafts(proposed=len(d))
@@ -580,8 +586,9 @@ class Engine:
         outcomes: dict[Request, RowOutcome],
     ) -> list[_Row]:
         """Stage 3: apply the grammar's answers; each live request becomes one row of pending +
-        forced + kept drafts, with logits wanted at every draft position and the one after."""
-        rows: list[_Row] = []
+        forced + kept drafts, with logits wanted at every draft position and the one after.
+        Forced tokens count against the pass's token budget before drafts do."""
+        live: list[tuple[Request, list[int], list[int]]] = []
         for r in batch:
             pending = r.pending
             r.pending = None
@@ -592,10 +599,18 @@ class Engine:
             d = drafts.get(r, [])
             if out is not None:
                 d = d[: out.accepted_drafts]
-            d = d[: max(0, self._room(r) - 1)]
+            live.append((r, [pending, *ff], d[: max(0, self._room(r) - 1)]))  # type: ignore[list-item]
+        spec = self.config.speculative
+        left = None
+        if spec is not None and spec.pass_tokens:
+            left = spec.pass_tokens - sum(len(prefix) for _, prefix, _ in live)
+        rows: list[_Row] = []
+        for r, prefix, d in live:
+            if left is not None:
+                d = d[: max(0, left)]
+                left -= len(d)
             self.metrics.drafts(kept=len(d))
-            prefix = [pending, *ff]
-            rows.append(_Row(r, [*prefix, *d], r.cached, outputs=1 + len(d)))  # type: ignore[list-item]
+            rows.append(_Row(r, [*prefix, *d], r.cached, outputs=1 + len(d)))
             r.cached += len(prefix)
         return rows
 

@@ -28,11 +28,22 @@ def test_speculation_is_off_by_default_and_configurable() -> None:
         draft_config(parse("--speculative", "ngram", "--ngram-min", "3", "--ngram-max", "2"))
 
 
+def test_verification_passes_are_budgeted_on_cpu_only() -> None:
+    """A CPU's 4-bit decode kernels cost per 4 rows: more drafts than the batch size lose."""
+    spec = draft_config(parse("--speculative", "ngram", "--max-batch-size", "6"))
+    assert spec is not None and spec.pass_tokens == 6
+    spec = draft_config(parse("--speculative", "ngram", "--device", "cuda"))
+    assert spec is not None and spec.pass_tokens == 0
+    spec = draft_config(parse("--speculative", "ngram", "--verify-pass-tokens", "20"))
+    assert spec is not None and spec.pass_tokens == 20
+
+
 def test_compile_cache_is_split_by_symbolic_ranges(tmp_path: Path) -> None:
     """Graphs compiled for other size ranges carry guards this worker would refuse."""
     plain = ranges_dir(tmp_path, parse())
     spec = ranges_dir(tmp_path, parse("--speculative", "ngram"))
     wider = ranges_dir(tmp_path, parse("--max-batch-size", "16"))
+    flat = ranges_dir(tmp_path, parse("--flat-pass-tokens", "64"))
     assert plain is not None and plain.parent == tmp_path
-    assert len({plain, spec, wider}) == 3
+    assert len({plain, spec, wider, flat}) == 4
     assert ranges_dir(None, parse()) is None

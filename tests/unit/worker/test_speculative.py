@@ -231,6 +231,38 @@ async def test_speculation_changes_no_output_and_saves_passes(
     assert not spec.requests and not spec.scheduler.running
 
 
+async def test_drafts_stay_within_the_pass_token_budget() -> None:
+    """`pass_tokens`: every row's pending and forced tokens count first; drafts fill what is
+    left of the budget and no more. The output is still the plain engine's."""
+    plain, plain_model = make_engine(overlap=False, limit=30)
+    plain_model.rule = periodic
+    want = await run(plain, workload(0.0))
+
+    budget = 6
+    spec, spec_model = make_engine(
+        overlap=False,
+        limit=30,
+        speculative=DraftConfig(num_draft_tokens=4, pass_tokens=budget),
+    )
+    spec_model.rule = periodic
+    passes: list[tuple[int, int]] = []  # (pending + forced tokens, draft tokens) per verify pass
+    forward = spec._forward
+
+    async def spy(rows: list[Any], kind: str) -> torch.Tensor:
+        if kind == "verify":
+            drafts = sum(row.outputs - 1 for row in rows)
+            passes.append((sum(len(row.tokens) for row in rows) - drafts, drafts))
+        return await forward(rows, kind)
+
+    spec._forward = spy  # type: ignore[method-assign]
+    got = await run(spec, workload(0.0))
+
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert passes and all(d <= max(0, budget - fixed) for fixed, d in passes), passes
+    assert any(d == budget - fixed for fixed, d in passes)  # the budget is used, not just obeyed
+    assert spec.metrics.stats.draft_accepted > 0
+
+
 async def test_a_request_can_opt_out() -> None:
     spec, model = make_engine(overlap=True, limit=30, speculative=DraftConfig(num_draft_tokens=4))
     model.rule = periodic
