@@ -23,6 +23,7 @@ from neuron_worker.backends import create_backend
 from neuron_worker.drafter import DraftConfig
 from neuron_worker.engine import Engine, EngineConfig
 from neuron_worker.grammar_client import GrammarClient
+from neuron_worker.graphs import MAX_FLAT_TOKENS
 from neuron_worker.metrics import Metrics
 from neuron_worker.parallel.serving import RankGroup, RankSpec
 from neuron_worker.scheduler import parse_buckets, pow2_buckets
@@ -47,6 +48,10 @@ def engine_config(
         raise SystemExit("--max-queue must be >= 0")
     if args.max_prompt_bytes < 1 or args.tokenizer_threads < 1:
         raise SystemExit("--max-prompt-bytes and --tokenizer-threads must be >= 1")
+    if not -1 <= args.flat_pass_tokens <= MAX_FLAT_TOKENS:
+        raise SystemExit(f"--flat-pass-tokens must be -1 (auto) or 0..{MAX_FLAT_TOKENS}")
+    if args.verify_pass_tokens < -1:
+        raise SystemExit("--verify-pass-tokens must be -1 (auto), 0 (no limit) or more")
     max_seq = min(args.max_seq_len, model_max_seq)
     if max_seq < 2:
         raise SystemExit("--max-seq-len must be >= 2")

@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 # KV lengths are rounded up to this many positions (aligned attention reads, fewer distinct
 # shapes for the bucketed policy's neighbours).
 KV_ALIGN = 64
+# Flat passes run at most this many rows: the wide graph gathers each row's KV (~1.5 MB per row
+# at a 2048 KV length for SmolLM2), and its largest pass runs at warm-up.
+MAX_FLAT_TOKENS = 512
 
 
 class StepModel(Protocol):
@@ -103,7 +106,8 @@ class ForwardRunner:
         """Buckets given: the bucket policy (all three must be); none: dynamic shapes.
         `verify_width`: logits rows per row of a verification pass (1 + drafts; 1 = none).
         `flat_tokens`: the most real tokens of a multi-token pass run flat (module docstring;
-        dynamic policy only; None = `max_rows * max(4, verify_width)`, 0 = never)."""
+        dynamic policy only; None = `max_rows * max(4, verify_width)`, 0 = never; at most
+        `MAX_FLAT_TOKENS`)."""
         self.model = model
         self.backend = backend
         self.max_rows = max_rows
@@ -116,7 +120,7 @@ class ForwardRunner:
         self.verify_width = max(1, verify_width)
         if flat_tokens is None:
             flat_tokens = max(2, max_rows) * max(4, self.verify_width)
-        self.flat_tokens = 0 if self.bucketed else flat_tokens
+        self.flat_tokens = 0 if self.bucketed else min(flat_tokens, MAX_FLAT_TOKENS)
         self.dynamic = backend.compile_enabled and not self.bucketed
         # One compiled function; its decode (1 token per row) and multi-token graphs differ in
         # the token dimension, static 1 in one and symbolic in the other.

@@ -38,6 +38,19 @@ def test_verification_passes_are_budgeted_on_cpu_only() -> None:
     assert spec is not None and spec.pass_tokens == 20
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--flat-pass-tokens", "100000"),
+        ("--flat-pass-tokens", "-2"),
+        ("--verify-pass-tokens", "-5"),
+    ],
+)
+def test_pass_token_limits_are_checked(argv: tuple[str, str]) -> None:
+    with pytest.raises(SystemExit, match=argv[0]):
+        engine_config(parse(*argv), 2048)
+
+
 def test_compile_cache_is_split_by_symbolic_ranges(tmp_path: Path) -> None:
     """Graphs compiled for other size ranges carry guards this worker would refuse."""
     plain = ranges_dir(tmp_path, parse())
