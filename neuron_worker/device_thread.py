@@ -38,10 +38,3 @@ def executor() -> ThreadPoolExecutor:
 async def run(fn: Callable[[], T]) -> T:
     """Run `fn` on the device thread and await its result."""
     return await asyncio.get_running_loop().run_in_executor(executor(), fn)
-
-
-def call(fn: Callable[[], T]) -> T:
-    """Run `fn` on the device thread and wait for it (for code outside an event loop)."""
-    if threading.current_thread().name.startswith("maskwire-device"):
-        return fn()
-    return executor().submit(fn).result()

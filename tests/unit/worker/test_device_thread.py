@@ -1,5 +1,4 @@
-"""The device thread: one thread for all of a process's torch work, reached from async and
-sync code alike."""
+"""The device thread: one thread for all of a process's torch work."""
 
 from __future__ import annotations
 
@@ -12,13 +11,9 @@ def _name() -> str:
     return threading.current_thread().name
 
 
-async def test_run_and_call_use_the_same_thread() -> None:
-    from_async = await device_thread.run(_name)
-    from_sync = device_thread.call(_name)
-    assert from_async == from_sync != threading.current_thread().name
-    assert from_async.startswith("maskwire-device")
-
-
-def test_call_on_the_device_thread_runs_inline() -> None:
-    # A nested call would wait for itself on a one-thread executor; it must run in place.
-    assert device_thread.call(lambda: device_thread.call(_name)) == device_thread.call(_name)
+async def test_every_run_uses_the_same_thread_off_the_event_loop() -> None:
+    first = await device_thread.run(_name)
+    second = await device_thread.run(_name)
+    assert first == second != threading.current_thread().name
+    assert first.startswith("maskwire-device")
+    assert device_thread.executor().submit(_name).result() == first
