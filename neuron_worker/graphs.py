@@ -155,14 +155,14 @@ class ForwardRunner:
     def run(self, p: Pass) -> Tensor:
         """Device thread: logits [len(p.last), vocab] float32 (padding entries: garbage)."""
         picks: np.ndarray | None = None  # flat pass: the row of each entry of `p.last`
+        split = False
         multi_token = p.tokens.shape[1] > 1
         if multi_token and 0 < int((p.positions >= 0).sum()) <= self.flat_tokens:
             q, picks = _flatten(p)
         elif not self.bucketed and p.tokens.shape[0] == 1 and multi_token:
-            q = _split_row(p)
+            q, split = _split_row(p), True
         else:
             q = p
-        split = q is not p and picks is None
         backend = self.backend
         with backend.inference_mode():
             args = (
