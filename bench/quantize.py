@@ -1,13 +1,14 @@
 """The worker's weight-only quantization options on this CPU: decode step time and greedy drift.
 
 The embedded SmolLM2-135M as the worker serves it (`load_model(serving=True)`, bf16 activations):
-`--quantize none` (oneDNN-prepacked bf16 weights), `int8` (per-channel int8 weights) and `int4`
-(the GGUF's own Q4_1 weights), each through the worker's `ForwardRunner` with its compiled decode
-graph. Decode step = B rows x 1 token at a 256-position KV length; the median of `--repeats`
-timings of `--steps` steps, the variants interleaved so that load drifts hit them alike. Each
-timing runs in a process of its own (`--variant`): the worker compiles `step_logits` without
-guards on module attributes, so in one process every model after the first would run the first
-one's graph (which is what an earlier version of this benchmark measured: three equal times).
+`--quantize none` (oneDNN-prepacked bf16 weights), `int8` (per-channel int8 weights), `int4-aten`
+(the GGUF's own Q4_1 weights through aten's int4 kernel, `MASKWIRE_KERNELS=0`) and `int4`
+(the same weights through the worker's own kernel, `neuron_worker.kernels`, which also takes the
+head), each through the worker's `ForwardRunner` with its compiled decode graph. Decode step = B
+rows x 1 token at a 256-position KV length, B in 1, 4, 5, 8; the median of `--repeats` timings of
+`--steps` steps, the variants interleaved so that load drifts hit them alike. Each variant runs
+in a process of its own (`--variant`): the worker compiles `step_logits` without guards on module
+attributes, so in one process every model after the first would run the first one's graph.
 
 Greedy drift: the first `--tokens` greedy tokens of each variant (eager, same kernels) on three
 known prompts, against the fp32 reference model (`--quantize none --dtype float32`): the number
@@ -42,7 +43,14 @@ from neuron_worker.model import Transformer, load_model  # noqa: E402
 from neuron_worker.tuning import default_compile_cache, use_compile_cache  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-SCHEMES = ("none", "int8", "int4")
+# variant -> (--quantize scheme, environment)
+VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    "none": ("none", {}),
+    "int8": ("int8", {}),
+    "int4-aten": ("int4", {"MASKWIRE_KERNELS": "0"}),
+    "int4": ("int4", {}),
+}
+ROWS = (1, 4, 5, 8)
 PROMPTS = (
     "The capital of France is",
     "List three colors as JSON:",
@@ -79,11 +87,11 @@ def time_decode(runner: ForwardRunner, rows: int, steps: int) -> float:
     return (time.perf_counter() - began) / steps
 
 
-def time_variant(scheme: str, steps: int) -> dict[int, float]:
-    """Seconds per compiled decode step at B = 1 and B = 8 (graphs from the compile cache)."""
-    use_compile_cache(default_compile_cache() / "bench-quantize")
+def time_variant(variant: str, steps: int) -> dict[int, float]:
+    """Seconds per compiled decode step at each of ROWS (graphs from the compile cache)."""
+    use_compile_cache(default_compile_cache() / f"bench-quantize-{variant}")
     runner = ForwardRunner(
-        serving_model(scheme),
+        serving_model(VARIANTS[variant][0]),
         create_backend("cpu", compile=True),
         max_rows=MAX_ROWS,
         max_seq=KV,
@@ -92,7 +100,7 @@ def time_variant(scheme: str, steps: int) -> dict[int, float]:
     with torch.inference_mode():
         time_decode(runner, 2, 1)  # compile (or load) both ends of the row range
         time_decode(runner, MAX_ROWS, 1)
-        return {rows: time_decode(runner, rows, steps) for rows in (1, 8)}
+        return {rows: time_decode(runner, rows, steps) for rows in ROWS}
 
 
 def greedy(model: Transformer, prompt: list[int], n: int) -> list[int]:
@@ -136,45 +144,54 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--variant", choices=SCHEMES, help="time this scheme alone (internal)")
+    p.add_argument("--variant", choices=VARIANTS, help="time this variant alone (internal)")
+    p.add_argument("--greedy", action="store_true", help="with --variant: its greedy tokens")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    prompts = [load_tokenizer("default").encode(text) for text in PROMPTS]
+    if args.variant and args.greedy:
+        with torch.inference_mode():
+            model = serving_model(VARIANTS[args.variant][0])
+            print(json.dumps([greedy(model, pr, args.tokens) for pr in prompts]))
+        return 0
     if args.variant:
         print(json.dumps(time_variant(args.variant, args.steps)))
         return 0
-    tok = load_tokenizer("default")
-    prompts = [tok.encode(text) for text in PROMPTS]
+
+    def run_variant(name: str, *extra: str) -> Any:
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                *("--variant", name),
+                *("--steps", str(args.steps)),
+                *("--threads", str(args.threads)),
+                *("--tokens", str(args.tokens)),
+                *extra,
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**os.environ, **VARIANTS[name][1]},
+        ).stdout
+        return json.loads(out.splitlines()[-1])
 
     with torch.inference_mode():
         reference = serving_model("none", torch.float32)
         ref_tokens = [greedy(reference, pr, args.tokens) for pr in prompts]
         del reference
-        drift = {}
-        for s in SCHEMES:
-            model = serving_model(s)
-            drift[s] = [
-                agreeing_prefix(greedy(model, pr, args.tokens), want)
-                for pr, want in zip(prompts, ref_tokens, strict=True)
-            ]
-            del model
-    times: dict[str, dict[int, list[float]]] = {s: {1: [], 8: []} for s in SCHEMES}
+    drift = {
+        name: [
+            agreeing_prefix(got, want)
+            for got, want in zip(run_variant(name, "--greedy"), ref_tokens, strict=True)
+        ]
+        for name in VARIANTS
+    }
+    times: dict[str, dict[int, list[float]]] = {name: {r: [] for r in ROWS} for name in VARIANTS}
     for _ in range(args.repeats):
-        for s in SCHEMES:
-            out = subprocess.run(
-                [
-                    sys.executable,
-                    __file__,
-                    "--variant",
-                    s,
-                    *("--steps", str(args.steps)),
-                    *("--threads", str(args.threads)),
-                ],
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
-            for rows, seconds in json.loads(out.splitlines()[-1]).items():
-                times[s][int(rows)].append(seconds)
+        for name in VARIANTS:
+            for rows, seconds in run_variant(name).items():
+                times[name][int(rows)].append(seconds)
 
     result: dict[str, Any] = {
         "benchmark": "quantize",
@@ -182,14 +199,18 @@ def main() -> int:
         "load_avg_at_end": os.getloadavg(),
         "tokens_compared": args.tokens,
         "variants": {
-            s: {
-                "decode_b1_ms": round(1e3 * statistics.median(times[s][1]), 2),
-                "decode_b8_ms": round(1e3 * statistics.median(times[s][8]), 2),
-                "decode_b1_tok_s": round(1 / statistics.median(times[s][1]), 1),
-                "decode_b8_tok_s": round(8 / statistics.median(times[s][8]), 1),
-                "greedy_tokens_equal_to_fp32": drift[s],
+            name: {
+                **{
+                    f"decode_b{r}_ms": round(1e3 * statistics.median(times[name][r]), 2)
+                    for r in ROWS
+                },
+                **{
+                    f"decode_b{r}_tok_s": round(r / statistics.median(times[name][r]), 1)
+                    for r in ROWS
+                },
+                "greedy_tokens_equal_to_fp32": drift[name],
             }
-            for s in SCHEMES
+            for name in VARIANTS
         },
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -207,13 +228,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     variants = result["variants"]
     names = list(variants)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    for ax, key, title in (
-        (axes[0], "decode_b1_tok_s", "decode B=1 (tok/s)"),
-        (axes[1], "decode_b8_tok_s", "decode B=8 (tok/s)"),
-    ):
+    fig, axes = plt.subplots(1, len(ROWS), figsize=(3.4 * len(ROWS), 3.2))
+    for ax, rows in zip(axes, ROWS, strict=True):
+        key, title = f"decode_b{rows}_tok_s", f"decode B={rows} (tok/s)"
         values = [variants[n][key] for n in names]
-        ax.bar(names, values, color=["#999999", "#5b9bd5", "#2b7bba"])
+        ax.bar(names, values, color=["#999999", "#5b9bd5", "#9dc3e6", "#2b7bba"])
         for i, v in enumerate(values):
             ax.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
         ax.set_title(title, fontsize=9)

@@ -18,7 +18,7 @@ from maskwire.rpc import Server, start_metrics_server
 from maskwire.tls import ClientTLS, server_tls_mode
 from maskwire.tokenizer import Tokenizer, load_tokenizer
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
-from neuron_worker import device_thread
+from neuron_worker import device_thread, kernels
 from neuron_worker.backends import create_backend
 from neuron_worker.drafter import DraftConfig
 from neuron_worker.engine import Engine, EngineConfig
@@ -148,6 +148,8 @@ async def serve(
         tensor_parallel=args.tensor_parallel_size,
     )
     cache = use_compile_cache(ranges_dir(tuning.compile_cache, args)) if tuning.compile else None
+    if tuning.compile_cache is not None:
+        kernels.set_kernel_dir(tuning.compile_cache / "kernels")
     log.info("worker settings: %s; %d threads", tuning.describe(), torch.get_num_threads())
     tokenizer = load_tokenizer(args.model)
     backend = create_backend(args.device, compile=tuning.compile)

@@ -17,6 +17,9 @@ int4 is groups of 32 along the input dimension with a scale and a minimum each (
 min`, q in 0..15): exactly llama.cpp's Q4_1. Weights that come from a Q4_1 GGUF (the embedded
 SmolLM2's linear layers) are taken as stored, so the 4-bit model is the checkpoint itself; other
 weights are quantized per group from their min and max. int8 is one scale per output channel.
+On a CPU with AVX512-VNNI, int4 layers run the worker's own kernel (`neuron_worker.kernels`:
+one read of the weights for up to 8 rows, activations quantized to int8 per group as llama.cpp
+does); elsewhere aten's, which dequantizes per block of 4 rows.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from neuron_worker import kernels
 
 GROUP = 32
 QUANTIZE_SCHEMES = ("none", "int4", "int8")
@@ -47,6 +52,12 @@ def packed_linear(x: Tensor, handle: Tensor, out_features: int) -> Tensor:
 @packed_linear.register_fake
 def _packed_linear_shape(x: Tensor, handle: Tensor, out_features: int) -> Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+def own_int4_kernel(weight: Tensor) -> bool:
+    """Whether an int4 layer runs `neuron_worker.kernels` (one read of the weights for up to 8
+    rows) rather than aten's kernel (blocks of 4 rows): bf16 on a CPU where it is built."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and kernels.available()
 
 
 def can_pack(weight: Tensor) -> bool:
@@ -104,6 +115,8 @@ class ServingLinear(nn.Module):
     weight: Tensor
     bias: Tensor | None
     handle: Tensor | None
+    q_weight: Tensor
+    q_scales: Tensor
 
     def __init__(
         self,
@@ -129,9 +142,16 @@ class ServingLinear(nn.Module):
             _PACKED.append(self.packed)
             handle = torch.tensor(len(_PACKED) - 1)
         self.register_buffer("handle", handle, persistent=False)
+        self.int4_kernel = False
         if quantize == "int4":
             source = int4 if int4 is not None else Int4Weight.from_float(weight)
-            # The kernel computes (q - 8) * scale + zero: zero = low + 8 * scale.
+        if quantize == "int4" and own_int4_kernel(weight):
+            self.int4_kernel = True
+            packed, scale_zero = kernels.pack_int4(source.q, source.scale, source.low)
+            self.register_buffer("q_weight", packed, persistent=False)
+            self.register_buffer("q_scales", scale_zero, persistent=False)
+        elif quantize == "int4":
+            # aten's kernel computes (q - 8) * scale + zero: zero = low + 8 * scale.
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 source.q.to(torch.int32).contiguous(), 1
             )
@@ -165,6 +185,8 @@ class ServingLinear(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
     def _quantized(self, x: Tensor) -> Tensor:
+        if self.int4_kernel:
+            return kernels.int4_matmul(x, self.q_weight, self.q_scales)
         if self.quantize == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, self.q_weight, GROUP, self.q_scales

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from neuron_worker import kernels
 from neuron_worker.model.config import ModelConfig
 from neuron_worker.model.linear import Int4Weight, ServingLinear
 
@@ -97,6 +98,9 @@ class Attention(nn.Module):
         )
         self.wo: nn.Module = nn.Linear(config.q_size, config.dim, bias=False)
         self.kv_cache: KVCache | None = None
+        # Passes of one token per row attend through `neuron_worker.kernels.decode_attention`
+        # (each row's slot read in place) when `Transformer.use_serving_linears` turns it on.
+        self.decode_kernel = False
         # Sums the partial outputs of a row-parallel `wo` across a tensor-parallel group
         # (`neuron_worker.parallel`); the identity on one device.
         self.reduce: Callable[[Tensor], Tensor] = _identity
@@ -120,19 +124,35 @@ class Attention(nn.Module):
         q = apply_rope(q.view(b, t, self.n_heads, hd), cos, sin)
         k = apply_rope(k.view(b, t, kvh, hd), cos, sin)
         self.kv_cache.update(write_slots, write_pos, k, v.view(b, t, kvh, hd))
+        # GQA without repeating K/V: the `group` query heads sharing a KV head become extra query
+        # rows of that head ([B, kvh, group*T, hd]); the mask is expanded to match.
+        q = q.view(b, t, kvh, group, hd).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * t, hd)
+        if self.decode_kernel and t == 1:
+            # write_pos is each token's position (padding: past the end, which the kernel clamps
+            # to the last position, so a padding row's finite output is garbage as below).
+            y = kernels.decode_attention(
+                q,
+                self.kv_cache.k_cache[:, :, :kv_len],
+                self.kv_cache.v_cache[:, :, :kv_len],
+                write_slots[:, 0],
+                write_pos,
+            )
+        else:
+            y = self._sdpa(q, mask, cache_slots, b, kv_len)
+        y = y.view(b, kvh, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, self.n_heads * hd)
+        return self.reduce(self.wo(y))
 
+    def _sdpa(
+        self, q: Tensor, mask: Tensor, cache_slots: Tensor | None, b: int, kv_len: int
+    ) -> Tensor:
+        assert self.kv_cache is not None
         if cache_slots is None:  # rows are slots 0..B-1: a view, no copy
             keys = self.kv_cache.k_cache[:b, :, :kv_len]
             values = self.kv_cache.v_cache[:b, :, :kv_len]
         else:  # slice before gathering: only [0, kv_len) of each row's slot is copied
             keys = self.kv_cache.k_cache[:, :, :kv_len][cache_slots]
             values = self.kv_cache.v_cache[:, :, :kv_len][cache_slots]
-        # GQA without repeating K/V: the `group` query heads sharing a KV head become extra query
-        # rows of that head ([B, kvh, group*T, hd]); the mask is expanded to match.
-        q = q.view(b, t, kvh, group, hd).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * t, hd)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        y = y.view(b, kvh, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, self.n_heads * hd)
-        return self.reduce(self.wo(y))
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
 class FeedForward(nn.Module):
@@ -250,9 +270,16 @@ class Transformer(nn.Module):
         """Swap every projection and the LM head for `ServingLinear`s
         (`neuron_worker.model.linear`): oneDNN-prepacked bf16 weights on CPU, and with
         `quantize` a weight-only kernel for passes of at most `small_rows` rows (the layers, not
-        the head). `sources`: canonical per-tensor int4 weights to use as they are (a Q4_1
+        the head); and bf16 decode passes attend through `neuron_worker.kernels` where built. `sources`: canonical per-tensor int4 weights to use as they are (a Q4_1
         GGUF's own), else each is quantized from its floats."""
         src = sources or {}
+        weight = self.tok_embeddings.weight
+        decode_kernel = (
+            weight.device.type == "cpu"
+            and weight.dtype == torch.bfloat16
+            and self.config.head_dim % 16 == 0
+            and kernels.available()
+        )
 
         def fused(prefix: str, names: tuple[str, ...]) -> Int4Weight | None:
             found = [src.get(f"{prefix}{n}.weight") for n in names]
@@ -274,6 +301,7 @@ class Transformer(nn.Module):
             attn.wo = serving(attn.wo, src.get(f"{p}attention.wo.weight"), quantize)
             ffn.w13 = serving(ffn.w13, fused(p + "feed_forward.", ("w1", "w3")), quantize)
             ffn.w2 = serving(ffn.w2, src.get(f"{p}feed_forward.w2.weight"), quantize)
+            attn.decode_kernel = decode_kernel
         self.output = serving(self.output, None, "none")
 
     def kv_caches(self) -> list[KVCache]:

@@ -1,0 +1,145 @@
+// 4-bit weights x bf16 activations for passes of a few rows, on AVX512-BF16 CPUs.
+//
+// aten's `_weight_int4pack_mm_for_cpu` works in blocks of 4 rows and dequantizes the weights once
+// per block, so 8 rows cost twice what 4 do and are no faster than bf16 weights. This kernel reads
+// each weight once for up to 8 rows: two table lookups turn 64 nibbles into bf16 values (q - 8,
+// exact), and one `vdpbf16ps` per row multiplies 32 of them by the row's bf16 activations into
+// fp32 sums, so the products are exact and only the fp32 sums round. Per group of 32 inputs:
+// y += scale * sum((q - 8) x) + zero * sum(x), with w = scale * (q - 8) + zero (Q4_1's
+// w = scale * q + low, zero = low + 8 * scale).
+//
+// Weight layout (built by `neuron_worker.kernels.pack_int4`): for each block of 16 output
+// channels and each group of 32 inputs, 8 chunks of 32 bytes. Byte i of chunk j holds weight
+// (channel i / 2, input 4j + i % 2) in its low nibble and (channel i / 2, input 4j + 2 + i % 2) in
+// its high nibble: zero-extended to 16-bit lanes, each nibble half is one `vdpbf16ps` operand
+// (16 channels x 2 inputs). Then per block and group: 16 scales and 16 zeros (fp32).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // output channels per register
+constexpr int64_t kGroup = 32;  // inputs per scale
+constexpr int64_t kChunks = kGroup / 4;
+constexpr int64_t kMaxRows = 8;  // rows per pass over the weights (accumulators in registers)
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Lane q (0..15) holds bf16(q - 8): the lookup table for a nibble.
+inline __m512i nibble_table() {
+  alignas(64) uint16_t t[32];
+  for (int q = 0; q < 32; ++q) {
+    const float f = static_cast<float>((q & 15) - 8);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    t[q] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
+  }
+  return _mm512_load_si512(t);
+}
+
+// Output channel blocks [nb_begin, nb_end) for M rows of x (bf16 [M, k], group sums xsum).
+template <int M>
+void blocks_for_rows(const uint16_t* x, const float* xsum, int64_t k, const uint8_t* w,
+                     const float* scale_zero, int64_t nb_begin, int64_t nb_end, uint16_t* out,
+                     int64_t n) {
+  const int64_t groups = k / kGroup;
+  const __m512i table = nibble_table();
+  const __m512i nibble = _mm512_set1_epi16(0x0f);
+  for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* wg = w + (nb * groups + g) * kChunks * 32;
+      __m512 dot[M];
+      for (int m = 0; m < M; ++m) dot[m] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < kChunks; ++j) {
+        const __m512i wide =
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 32)));
+        const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(wide, nibble), table);
+        const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(wide, 4), table);
+        const int64_t at = g * kGroup + 4 * j;
+        for (int m = 0; m < M; ++m) {
+          int32_t pair_lo, pair_hi;  // inputs (at, at + 1) and (at + 2, at + 3) of row m
+          std::memcpy(&pair_lo, x + m * k + at, 4);
+          std::memcpy(&pair_hi, x + m * k + at + 2, 4);
+          dot[m] = _mm512_dpbf16_ps(dot[m], lo, (__m512bh)_mm512_set1_epi32(pair_lo));
+          dot[m] = _mm512_dpbf16_ps(dot[m], hi, (__m512bh)_mm512_set1_epi32(pair_hi));
+        }
+      }
+      const float* sz = scale_zero + (nb * groups + g) * 2 * kBlock;
+      const __m512 scale = _mm512_loadu_ps(sz);
+      const __m512 zero = _mm512_loadu_ps(sz + kBlock);
+      for (int m = 0; m < M; ++m) {
+        acc[m] = _mm512_fmadd_ps(dot[m], scale, acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g]), zero, acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n + nb * kBlock),
+                          (__m256i)_mm512_cvtneps_pbh(acc[m]));
+  }
+}
+
+using BlocksFn = void (*)(const uint16_t*, const float*, int64_t, const uint8_t*, const float*,
+                          int64_t, int64_t, uint16_t*, int64_t);
+constexpr BlocksFn kForRows[kMaxRows + 1] = {
+    nullptr,            blocks_for_rows<1>, blocks_for_rows<2>, blocks_for_rows<3>,
+    blocks_for_rows<4>, blocks_for_rows<5>, blocks_for_rows<6>, blocks_for_rows<7>,
+    blocks_for_rows<8>};
+
+// x: bf16 [rows, K]; w: uint8 [N/16, K/32, 8, 32]; scale_zero: fp32 [N/16, K/32, 2, 16].
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zero) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bf16 [rows, K]");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kByte && w.size(2) == kChunks &&
+                  w.size(3) == 32 && w.is_contiguous(),
+              "w: contiguous uint8 [N/16, K/32, 8, 32]");
+  TORCH_CHECK(scale_zero.scalar_type() == at::kFloat && scale_zero.is_contiguous() &&
+                  scale_zero.sizes() == at::IntArrayRef({w.size(0), w.size(1), 2, kBlock}),
+              "scale_zero: contiguous fp32 [N/16, K/32, 2, 16]");
+  const int64_t rows = x.size(0), k = x.size(1), blocks = w.size(0), groups = w.size(1);
+  TORCH_CHECK(groups * kGroup == k, "x has ", k, " inputs, the weight ", groups * kGroup);
+  const int64_t n = blocks * kBlock;
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr<c10::BFloat16>());
+  // Group sums of x for the zeros: sum_i w_i x_i = scale * sum (q - 8) x + zero * sum x.
+  std::vector<float> xsum(rows * groups);
+  for (int64_t i = 0; i < rows * groups; ++i) {
+    float s = 0.f;
+    for (int64_t e = 0; e < kGroup; ++e) s += bf16_to_float(xp[i * kGroup + e]);
+    xsum[i] = s;
+  }
+  const auto* wp = w.const_data_ptr<uint8_t>();
+  const auto* szp = scale_zero.const_data_ptr<float>();
+  auto* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<c10::BFloat16>());
+  for (int64_t row = 0; row < rows; row += kMaxRows) {
+    const BlocksFn fn = kForRows[std::min(kMaxRows, rows - row)];
+    // Grain 4 blocks (64 channels): even the smallest projection runs on every thread.
+    at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+      fn(xp + row * k, xsum.data() + row * groups, k, wp, szp, b0, b1, op + row * n, n);
+    });
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(maskwire_kernels, m) {
+  m.def("int4_matmul(Tensor x, Tensor w, Tensor scale_zero) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(maskwire_kernels, CPU, m) { m.impl("int4_matmul", &int4_matmul); }

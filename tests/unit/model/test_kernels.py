@@ -1,0 +1,159 @@
+"""The worker's own CPU kernels (`neuron_worker.kernels`): the int4 matmul's arithmetic and weight
+layout, decode attention against SDPA, the build cache, and the fallback where they cannot run."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from neuron_worker import kernels
+from neuron_worker.model.linear import Int4Weight, ServingLinear
+
+needs_kernel = pytest.mark.skipif(
+    not kernels.available(), reason="no AVX512-VNNI or no C++ compiler here"
+)
+
+
+def test_the_kernels_build_wherever_the_cpu_and_a_compiler_allow() -> None:
+    """Guards the skips below: a build that breaks fails here instead of skipping the rest."""
+    if kernels._unavailable_reason() is None:
+        assert kernels.available()
+
+
+def weight(n: int, k: int, seed: int = 0) -> Int4Weight:
+    g = torch.Generator().manual_seed(seed)
+    return Int4Weight.from_float(torch.randn(n, k, generator=g) * 0.2)
+
+
+def exact(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """x @ W^T in fp64 with W the Q4_1 weight as stored (scale * q + low)."""
+    return x.double() @ w.dequantize().double().t()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17])
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (960, 576), (64, 1536)])
+def test_the_kernel_multiplies_bf16_activations_by_q4_1_weights(rows: int, n: int, k: int) -> None:
+    w = weight(n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    got = kernels.int4_matmul(x, *kernels.pack_int4(w.q, w.scale, w.low))
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # exact products, fp32 sums: only the final rounding to bf16 (8 bits) is visible
+    torch.testing.assert_close(got.double(), exact(x, w), rtol=2**-8, atol=2e-3)
+
+
+@needs_kernel
+def test_no_rows_and_zero_activations() -> None:
+    w = weight(32, 64)
+    packed = kernels.pack_int4(w.q, w.scale, w.low)
+    assert kernels.int4_matmul(torch.zeros(0, 64, dtype=torch.bfloat16), *packed).shape == (0, 32)
+    zeros = kernels.int4_matmul(torch.zeros(3, 64, dtype=torch.bfloat16), *packed)
+    assert torch.equal(zeros, torch.zeros(3, 32, dtype=torch.bfloat16))
+
+
+@needs_kernel
+def test_the_kernel_refuses_mismatched_shapes_with_a_clear_error() -> None:
+    w = weight(32, 64)
+    packed = kernels.pack_int4(w.q, w.scale, w.low)
+    with pytest.raises(RuntimeError, match="x has 96 inputs, the weight 64"):
+        kernels.int4_matmul(torch.zeros(2, 96, dtype=torch.bfloat16), *packed)
+    with pytest.raises(RuntimeError, match="x: bf16"):
+        kernels.int4_matmul(torch.zeros(2, 64), *packed)
+
+
+def test_pack_int4_needs_blocks_of_16_outputs_and_32_inputs() -> None:
+    assert kernels.fits(32, 64) and not kernels.fits(40, 64) and not kernels.fits(32, 48)
+    w = weight(40, 64)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.pack_int4(w.q, w.scale, w.low)
+
+
+@needs_kernel
+def test_serving_linears_take_the_kernel_for_decode_passes() -> None:
+    w = (torch.randn(96, 64) * 0.2).bfloat16()
+    layer = ServingLinear(w, None, quantize="int4", small_rows=8)
+    assert layer.int4_kernel
+    x = torch.randn(6, 1, 64).bfloat16()
+    want = exact(x.reshape(6, 64), Int4Weight.from_float(w))
+    torch.testing.assert_close(layer(x).reshape(6, 96).double(), want, rtol=2**-8, atol=1e-3)
+    # fp32 activations: aten's kernel
+    assert not ServingLinear(w.float(), None, quantize="int4", small_rows=8).int4_kernel
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor
+) -> torch.Tensor:
+    """SDPA in fp32 over each row's gathered slot, masked past each query's position."""
+    tokens, length = pos.shape[1], k.shape[2]
+    rows = q.shape[2]
+    last = pos.clamp(0, length - 1)[:, torch.arange(rows) % tokens]  # [B, R]
+    mask = torch.arange(length) <= last.unsqueeze(-1)  # [B, R, L]
+    return F.scaled_dot_product_attention(
+        q.float(), k[slots].float(), v[slots].float(), attn_mask=mask.unsqueeze(1)
+    )
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("tokens", "group", "dim"), [(1, 3, 64), (1, 1, 32), (3, 2, 64), (1, 6, 128), (2, 4, 64)]
+)
+def test_decode_attention_matches_sdpa_over_each_rows_slot(
+    tokens: int, group: int, dim: int
+) -> None:
+    g = torch.Generator().manual_seed(tokens * 7 + dim)
+    heads, slots_n, cache_len, length = 3, 6, 40, 29
+    cache = torch.randn(2, slots_n, heads, cache_len, dim, generator=g).bfloat16()
+    k, v = cache[0, :, :, :length], cache[1, :, :, :length]  # strided views, as the model passes
+    slots = torch.tensor([4, 0, 5, 2])
+    # row 1 is padding (-1: position 0 only) and row 3 reaches past the view (clamped)
+    pos = torch.tensor([[10, 3, 17], [-1, -1, -1], [0, 1, 2], [28, 60, 5]])[:, :tokens]
+    q = torch.randn(4, heads, group * tokens, dim, generator=g).bfloat16()
+    got = kernels.decode_attention(q, k, v, slots, pos)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    torch.testing.assert_close(
+        got.float(), reference_attention(q, k, v, slots, pos), rtol=2e-2, atol=2e-2
+    )
+
+
+@needs_kernel
+def test_decode_attention_refuses_a_slot_out_of_range() -> None:
+    k = torch.zeros(2, 1, 8, 32, dtype=torch.bfloat16)
+    q = torch.zeros(1, 1, 1, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="slot 2 out of range"):
+        kernels.decode_attention(q, k, k, torch.tensor([2]), torch.tensor([[0]]))
+
+
+def test_a_second_build_reuses_the_library(tmp_path: Path) -> None:
+    if kernels.compiler() is None:
+        pytest.skip("no C++ compiler")
+    first = kernels.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert kernels.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left
+
+
+def test_without_a_working_compiler_the_worker_falls_back_to_aten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CXX", "/bin/false")
+    with pytest.raises(RuntimeError, match="/bin/false exited with 1"):
+        kernels.build(tmp_path / "fresh")
+    assert not any((tmp_path / "fresh").iterdir())  # nothing half-written left behind
+    monkeypatch.setattr(kernels, "_state", None)
+    monkeypatch.setattr(kernels, "_kernel_dir", tmp_path / "fresh")
+    with caplog.at_level(logging.WARNING, logger="neuron_worker.kernels"):
+        assert not kernels.available()
+    if "lacks" not in caplog.text:  # on a CPU without VNNI the flags decide first
+        assert "could not build it" in caplog.text and "aten" in caplog.text
+    w = (torch.randn(32, 64) * 0.2).bfloat16()
+    assert not ServingLinear(w, None, quantize="int4", small_rows=4).int4_kernel
+
+
+def test_the_environment_switch_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.DISABLE_ENV, "0")
+    monkeypatch.setattr(kernels, "_state", None)
+    assert not kernels.available()
