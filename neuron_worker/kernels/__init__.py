@@ -56,7 +56,7 @@ _state: bool | None = None  # None: not tried yet
 
 
 def set_kernel_dir(path: Path | None) -> None:
-    """Where to build and find the kernel (`None`: under the default compile cache)."""
+    """Where to build and find the kernels (`None`: under the default compile cache)."""
     global _kernel_dir
     _kernel_dir = path
 
@@ -68,18 +68,30 @@ def available() -> bool:
         if _state is None:
             reason = _unavailable_reason()
             if reason is None:
-                directory = _kernel_dir or default_compile_cache() / "kernels"
                 try:
-                    torch.ops.load_library(str(build(directory)))
+                    torch.ops.load_library(str(_build_somewhere()))
                     _register_fake()
                 except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                    reason = f"could not build it: {exc}"
+                    reason = f"could not build them: {exc}"
             if reason is not None:
                 log.warning(
                     "maskwire kernels unavailable (%s); using aten's int4 kernel and SDPA", reason
                 )
             _state = reason is None
         return _state
+
+
+def _build_somewhere() -> Path:
+    """Build into the kernel directory, or into a temporary one where that is not writable (a
+    read-only cache volume): the kernels then cost a build at every start, not the speed."""
+    directory = _kernel_dir or default_compile_cache() / "kernels"
+    try:
+        return build(directory)
+    except PermissionError as exc:
+        log.warning(
+            "kernel directory %s not writable (%s); building in a temporary one", directory, exc
+        )
+        return build(Path(tempfile.mkdtemp(prefix="maskwire-kernels-")))
 
 
 def _unavailable_reason() -> str | None:

@@ -148,12 +148,32 @@ def test_without_a_working_compiler_the_worker_falls_back_to_aten(
     with caplog.at_level(logging.WARNING, logger="neuron_worker.kernels"):
         assert not kernels.available()
     if "lacks" not in caplog.text:  # on a CPU without VNNI the flags decide first
-        assert "could not build it" in caplog.text and "aten" in caplog.text
+        assert "could not build them" in caplog.text and "aten" in caplog.text
     w = (torch.randn(32, 64) * 0.2).bfloat16()
     assert not ServingLinear(w, None, quantize="int4", small_rows=4).int4_kernel
 
 
-def test_the_environment_switch_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_read_only_kernel_directory_builds_in_a_temporary_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    tried: list[Path] = []
+
+    def build(directory: Path) -> Path:
+        tried.append(directory)
+        if len(tried) == 1:
+            raise PermissionError(f"{directory}: read-only file system")
+        return directory / "built.so"
+
+    monkeypatch.setattr(kernels, "build", build)
+    monkeypatch.setattr(kernels, "_kernel_dir", tmp_path / "volume")
+    with caplog.at_level(logging.WARNING, logger="neuron_worker.kernels"):
+        built = kernels._build_somewhere()
+    assert tried[0] == tmp_path / "volume" and tried[1].name.startswith("maskwire-kernels-")
+    assert built == tried[1] / "built.so" and "not writable" in caplog.text
+    tried[1].rmdir()
+
+
+def test_the_environment_switch_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(kernels.DISABLE_ENV, "0")
     monkeypatch.setattr(kernels, "_state", None)
     assert not kernels.available()
