@@ -2,9 +2,8 @@
 
 The embedded SmolLM2-135M as the worker serves it (`load_model(serving=True)`, bf16 activations):
 `--quantize none` (oneDNN-prepacked bf16 weights), `int8` (per-channel int8 weights), `int4-aten`
-(the GGUF's own Q4_1 weights through aten's int4 kernel, `MASKWIRE_KERNELS=0`) and `int4`
-(the same weights through the worker's own kernel, `neuron_worker.kernels`, which also takes the
-head), each through the worker's `ForwardRunner` with its compiled decode graph. Decode step = B
+(the GGUF's own Q4_1 weights through aten's int4 kernel, and SDPA: `MASKWIRE_KERNELS=0`) and `int4`
+(the same weights through the worker's own kernels, `neuron_worker.kernels`), each through the worker's `ForwardRunner` with its compiled decode graph. Decode step = B
 rows x 1 token at a 256-position KV length, B in 1, 4, 5, 8; the median of `--repeats` timings of
 `--steps` steps, the variants interleaved so that load drifts hit them alike. Each variant runs
 in a process of its own (`--variant`): the worker compiles `step_logits` without guards on module
