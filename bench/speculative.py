@@ -216,12 +216,16 @@ def main() -> None:
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--reference", action="store_true", help="worker eager fp32 (fast start)")
     p.add_argument("--out", default=str(ROOT / "bench/results/speculative.json"))
+    p.add_argument(
+        "--worker-arg", action="append", default=[], help="extra worker flag (repeatable)"
+    )
     args = p.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     worker = ["--model", "default", "--max-batch-size", "8", "--max-seq-len", "1024"]
     worker += ["--speculative", "ngram", "--num-draft-tokens", str(args.num_draft_tokens)]
     if not args.reference:  # the fast default (the test helper would pick the reference)
         worker += ["--compile", "--dtype", "auto", "--quantize", "auto"]
+    worker += args.worker_arg
     with (
         running("grammar-service", ["--tokenizer", "default"]) as gs,
         running("worker", [*worker, "--grammar-service", gs.address], timeout_s=1800) as w,
