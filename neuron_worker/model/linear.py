@@ -17,9 +17,9 @@ int4 is groups of 32 along the input dimension with a scale and a minimum each (
 min`, q in 0..15): exactly llama.cpp's Q4_1. Weights that come from a Q4_1 GGUF (the embedded
 SmolLM2's linear layers) are taken as stored, so the 4-bit model is the checkpoint itself; other
 weights are quantized per group from their min and max. int8 is one scale per output channel.
-On a CPU with AVX512-VNNI, int4 layers run the worker's own kernel (`neuron_worker.kernels`:
-one read of the weights for up to 8 rows, activations quantized to int8 per group as llama.cpp
-does); elsewhere aten's, which dequantizes per block of 4 rows.
+On a CPU with AVX512-BF16, int4 layers run the worker's own kernel (`neuron_worker.kernels`:
+one read of the weights for up to 8 rows, exact bf16 products); elsewhere aten's, which
+dequantizes per block of 4 rows.
 """
 
 from __future__ import annotations
@@ -109,6 +109,16 @@ class Int4Weight:
         return (g * self.scale.unsqueeze(-1) + self.low.unsqueeze(-1)).reshape(n, k)
 
 
+def _aten_int4(source: Int4Weight, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`source` in the layout of aten's `_weight_int4pack_mm_for_cpu`, which computes
+    (q - 8) * scale + zero: zero = low + 8 * scale."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        source.q.to(torch.int32).contiguous(), 1
+    )
+    zeros = source.low + 8 * source.scale
+    return packed, torch.stack([source.scale.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+
+
 class ServingLinear(nn.Module):
     """A linear layer (optional bias) with the fastest kernel per pass size (module docstring)."""
 
@@ -142,23 +152,15 @@ class ServingLinear(nn.Module):
             _PACKED.append(self.packed)
             handle = torch.tensor(len(_PACKED) - 1)
         self.register_buffer("handle", handle, persistent=False)
-        self.int4_kernel = False
+        self.int4_kernel = quantize == "int4" and own_int4_kernel(weight)
         if quantize == "int4":
             source = int4 if int4 is not None else Int4Weight.from_float(weight)
-        if quantize == "int4" and own_int4_kernel(weight):
-            self.int4_kernel = True
-            packed, scale_zero = kernels.pack_int4(source.q, source.scale, source.low)
+            if self.int4_kernel:
+                packed, scales = kernels.pack_int4(source.q, source.scale, source.low)
+            else:
+                packed, scales = _aten_int4(source, weight.dtype)
             self.register_buffer("q_weight", packed, persistent=False)
-            self.register_buffer("q_scales", scale_zero, persistent=False)
-        elif quantize == "int4":
-            # aten's kernel computes (q - 8) * scale + zero: zero = low + 8 * scale.
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                source.q.to(torch.int32).contiguous(), 1
-            )
-            zeros = source.low + 8 * source.scale
-            sz = torch.stack([source.scale.t(), zeros.t()], dim=-1).to(weight.dtype).contiguous()
-            self.register_buffer("q_weight", packed, persistent=False)
-            self.register_buffer("q_scales", sz, persistent=False)
+            self.register_buffer("q_scales", scales, persistent=False)
         elif quantize == "int8":
             w = weight.detach().float()
             scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
