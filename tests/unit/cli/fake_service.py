@@ -83,7 +83,10 @@ def main() -> None:
         time.sleep(crash)
         print(f"fake {command}: boom, something broke", flush=True)
         sys.exit(3)
-    stop.wait()
+    # A bounded wait: SIGTERM may land on one of grpc's threads, and then an unbounded wait in the
+    # main thread is never interrupted to run the handler (this made a test flaky in CI).
+    while not stop.wait(0.2):
+        pass
     record(f"{command} stop")
     if os.environ.get("FAKE_BAD_STOP") == command:
         print(f"fake {command}: drain failed", flush=True)
