@@ -199,6 +199,9 @@ async def serve(
                 config=config,
                 eos_ids=tuple(tokenizer.eos_token_ids),
                 words=tokenizer.words_per_row,
+                # Saved whole, the forward graphs load without re-tracing the model. CPU only:
+                # torch's precompile API has not run on the other devices here.
+                graph_dir=cache / "graphs" if cache is not None and backend.name == "cpu" else None,
             )
 
         device = await device_thread.run(build)

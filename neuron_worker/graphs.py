@@ -34,13 +34,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from neuron_worker.backends import Backend
+from neuron_worker.saved_graphs import SavedGraphs
 from neuron_worker.scheduler import bucket_for, forward_shapes
 
 log = logging.getLogger(__name__)
@@ -102,12 +104,14 @@ class ForwardRunner:
         seq_buckets: Sequence[int] = (),
         verify_width: int = 1,
         flat_tokens: int | None = None,
+        graph_dir: Path | None = None,
     ) -> None:
         """Buckets given: the bucket policy (all three must be); none: dynamic shapes.
         `verify_width`: logits rows per row of a verification pass (1 + drafts; 1 = none).
         `flat_tokens`: the most real tokens of a multi-token pass run flat (module docstring;
         dynamic policy only; None = `max_rows * max(4, verify_width)`, 0 = never; at most
-        `MAX_FLAT_TOKENS`)."""
+        `MAX_FLAT_TOKENS`). `graph_dir`: compiled dynamic graphs are saved there and loaded
+        from there (`neuron_worker.saved_graphs`; CPU only)."""
         self.model = model
         self.backend = backend
         self.max_rows = max_rows
@@ -127,6 +131,16 @@ class ForwardRunner:
         self._step = model.step_logits
         if backend.compile_enabled:
             self._step = backend.compile(model.step_logits, name="step", dynamic=self.dynamic)
+        self._saved: SavedGraphs | None = None
+        if self.dynamic and graph_dir is not None and isinstance(model, nn.Module):
+            ranges = f"rows{max_rows} seq{max_seq} verify{self.verify_width} flat{self.flat_tokens}"
+            self._saved = SavedGraphs(
+                model,
+                graph_dir,
+                ranges=ranges,
+                mark_dynamic=self._mark_dynamic,
+                fallback=self._step,
+            )
         self._kv: Tensor | None = None
 
     # ------------------------------------------------------------------ shapes
@@ -172,15 +186,16 @@ class ForwardRunner:
                 self._kv_positions(q.kv_len),
                 backend.to_device(torch.from_numpy(q.last)),
             )
-            multi = q.tokens.shape[1] > 1
-            if self.dynamic:
-                _mark_dynamic(
-                    args, multi, self.max_rows, self.max_seq, self.verify_width, self.flat_tokens
-                )
-            logits = self._step(*args)
+            kind = graph_kind(q, self.max_rows)
+            if self._saved is not None:
+                logits = self._saved(kind, args)
+            else:
+                if self.dynamic:
+                    self._mark_dynamic(kind, args)
+                logits = self._step(*args)
             if picks is not None:
                 logits = logits.index_select(0, backend.to_device(torch.from_numpy(picks)))
-            elif split and not multi:
+            elif split and kind != "multi":
                 # Two halves of one token each ran as a decode pass, which returns both rows:
                 # the flat indices of `last` are those rows.
                 logits = logits.index_select(0, args[4])
@@ -195,6 +210,9 @@ class ForwardRunner:
         if self.bucketed:
             return sorted({*self.batch_buckets, *(n * width for n in self.batch_buckets)})
         return sorted({2, max(2, self.max_rows * width)})
+
+    def _mark_dynamic(self, kind: str, args: tuple[Tensor, ...]) -> None:
+        _mark_dynamic(args, kind, self.max_rows, self.max_seq, self.verify_width, self.flat_tokens)
 
     def _kv_positions(self, kv_len: int) -> Tensor:
         if self._kv is None:
@@ -280,9 +298,17 @@ def _flatten(p: Pass) -> tuple[Pass, np.ndarray]:
     return flat, row_of[p.last]
 
 
+def graph_kind(p: Pass, max_rows: int) -> str:
+    """Which dynamic graph runs `p` (module docstring): "decode", "wide" or "multi"."""
+    rows, tokens = p.tokens.shape
+    if tokens > 1:
+        return "multi"
+    return "wide" if rows > max(2, max_rows) else "decode"
+
+
 def _mark_dynamic(
     args: tuple[Tensor, ...],
-    multi: bool,
+    kind: str,
     max_rows: int,
     max_seq: int,
     verify_width: int,
@@ -291,7 +317,8 @@ def _mark_dynamic(
     tokens, pos, slots, kv, last = args
     rows_max = max(2, max_rows)
     low, high = 2, rows_max
-    if not multi and tokens.shape[0] > rows_max:  # a wide flat pass (its own graph)
+    multi = kind == "multi"
+    if kind == "wide":  # a flat pass of more rows than a batch has: its own graph
         low, high = rows_max + 1, flat_tokens
     for t in (tokens, pos):
         torch._dynamo.mark_dynamic(t, 0, min=low, max=high)

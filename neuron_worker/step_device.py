@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -159,9 +160,11 @@ class StepDevice:
         config: EngineConfig,
         eos_ids: tuple[int, ...],
         words: int,
+        graph_dir: Path | None = None,
     ) -> None:
         """``eos_ids``: the tokenizer's EOS tokens (banned for ``ignore_eos`` rows); ``words``:
-        packed mask words per row (the tokenizer's vocabulary)."""
+        packed mask words per row (the tokenizer's vocabulary); ``graph_dir``: where compiled
+        forward graphs are saved and loaded (:class:`ForwardRunner`)."""
         self.model = model
         self.backend = backend
         self.sampler = sampler
@@ -182,6 +185,7 @@ class StepDevice:
             seq_buckets=config.seq_buckets if config.bucketed else (),
             verify_width=config.verify_width,
             flat_tokens=config.flat_tokens,
+            graph_dir=graph_dir,
         )
         self.logits_size = int(model.config.vocab_size)
         self.occurrences: OccurrenceTable | None = None  # allocated with the KV cache

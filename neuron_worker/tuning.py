@@ -231,8 +231,14 @@ def _python_source(file: Path) -> bool:
 
 def cache_use() -> tuple[int, int]:
     """(graphs loaded from the compile cache, graphs compiled) in this process so far: inductor's
-    FX graph cache counters."""
+    FX graph cache counters plus the saved forward graphs (`neuron_worker.saved_graphs`)."""
     from torch._dynamo.utils import counters
 
+    from neuron_worker import saved_graphs
+
     inductor = counters["inductor"]
-    return int(inductor["fxgraph_cache_hit"]), int(inductor["fxgraph_cache_miss"])
+    loaded, compiled = saved_graphs.counts()
+    return (
+        int(inductor["fxgraph_cache_hit"]) + loaded,
+        int(inductor["fxgraph_cache_miss"]) + compiled,
+    )

@@ -3,6 +3,8 @@ row, buckets."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -113,24 +115,11 @@ def test_dynamic_shapes_pad_to_two_rows_and_align_kv(model: Transformer) -> None
     assert b.logits_rows() == [1, 2, 4]
 
 
-def test_compiled_graphs_match_eager_and_no_shape_compiles_after_warm_up() -> None:
-    """The two dynamic graphs, built at warm-up, serve every pass shape (rows, tokens per row,
-    KV length) without compiling again, with the eager model's logits (fp32)."""
-    torch._dynamo.reset()
-    weights = random_weights(TINY)
-    eager_model, compiled_model = build_model(TINY, weights), build_model(TINY, weights)
-    for m in (eager_model, compiled_model):
-        m.setup_caches(5, 256)
-    make = lambda m, compile: ForwardRunner(  # noqa: E731
-        m, create_backend("cpu", compile=compile), max_rows=4, max_seq=256, pad_slot=4
-    )
-    eager, compiled = make(eager_model, False), make(compiled_model, True)
-    counter = CompileCounter()
-    compiled.warmup(lambda _: None)
-    counter.ready()
+def serve_random_passes(eager: ForwardRunner, compiled: ForwardRunner) -> None:
+    """Prefills of odd sizes, a lone prompt (split), decode at 1..4 rows, jump-forward bursts
+    (flat, wide and as a grid): the compiled runner's logits are the eager runner's (fp32)."""
     rng = np.random.default_rng(0)
     lengths = [0, 0, 0, 0]  # tokens in each slot's cache so far
-    # prefills of odd sizes, a lone prompt (split), decode at 1..4 rows, jump-forward bursts
     for rows, tokens in [(1, 7), (3, 5), (2, 1), (4, 1), (1, 1), (3, 1), (2, 9), (4, 3), (1, 37)]:
         slots = rng.permutation(4)[:rows]
         end = max(lengths[s] for s in slots) + tokens
@@ -148,6 +137,25 @@ def test_compiled_graphs_match_eager_and_no_shape_compiles_after_warm_up() -> No
         p = Pass(tok, pos, slot, last, kv)
         with torch.inference_mode():
             want, got = eager.run(p)[:rows], compiled.run(p)[:rows]
-        counter.check()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def tiny_runner(weights: dict[str, torch.Tensor], compile: bool, **kw: Any) -> ForwardRunner:
+    m = build_model(TINY, weights)
+    m.setup_caches(5, 256)
+    backend = create_backend("cpu", compile=compile)
+    return ForwardRunner(m, backend, max_rows=4, max_seq=256, pad_slot=4, **kw)
+
+
+def test_compiled_graphs_match_eager_and_no_shape_compiles_after_warm_up() -> None:
+    """The dynamic graphs, built at warm-up, serve every pass shape (rows, tokens per row, KV
+    length) without compiling again, with the eager model's logits (fp32)."""
+    torch._dynamo.reset()
+    weights = random_weights(TINY)
+    eager, compiled = tiny_runner(weights, False), tiny_runner(weights, True)
+    counter = CompileCounter()
+    compiled.warmup(lambda _: None)
+    counter.ready()
+    serve_random_passes(eager, compiled)
+    counter.check()
     assert counter.after_ready == 0

@@ -1,0 +1,150 @@
+"""Forward graphs saved whole in the compile cache: the next runner loads them without
+compiling, with the same logits; a damaged file is compiled again, an unwritable directory only
+costs the saving, inputs the saved guards refuse run on a graph compiled for them, and the key
+changes with what the graph depends on."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from neuron_worker import saved_graphs
+from neuron_worker.graphs import CompileCounter, ForwardRunner, Pass
+from neuron_worker.model import build_model
+from tests.unit.model.tiny import TINY, random_weights
+from tests.unit.worker.test_graphs import serve_random_passes, tiny_runner
+
+KINDS = ("decode", "multi", "wide")  # max_rows 4, flat passes of up to 16 tokens
+
+
+@pytest.fixture(scope="module")
+def weights() -> dict[str, torch.Tensor]:
+    return random_weights(TINY)
+
+
+@pytest.fixture(scope="module")
+def saved(weights: dict[str, torch.Tensor], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding the three graphs, compiled and saved by a first runner."""
+    directory = tmp_path_factory.mktemp("graphs")
+    before = saved_graphs.counts()
+    tiny_runner(weights, True, graph_dir=directory).warmup(lambda _: None)
+    assert delta(before) == (0, 3)
+    assert sorted(p.name.split("-")[0] for p in directory.glob("*.bin")) == sorted(KINDS)
+    return directory
+
+
+def delta(before: tuple[int, int]) -> tuple[int, int]:
+    """(loaded, compiled) saved graphs since `before`."""
+    now = saved_graphs.counts()
+    return now[0] - before[0], now[1] - before[1]
+
+
+def test_the_next_runner_loads_every_graph_and_compiles_nothing(
+    weights: dict[str, torch.Tensor], saved: Path
+) -> None:
+    before = saved_graphs.counts()
+    counter = CompileCounter()
+    counter.ready()  # from here, any graph compiled by torch.compile is counted
+    again = tiny_runner(weights, True, graph_dir=saved)
+    again.warmup(lambda _: None)
+    assert delta(before) == (3, 0)
+    serve_random_passes(tiny_runner(weights, False), again)
+    counter.check()
+    assert counter.after_ready == 0
+
+
+def test_a_damaged_file_is_compiled_again(
+    weights: dict[str, torch.Tensor], saved: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    for f in saved.glob("*.bin"):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    damaged = next(tmp_path.glob("multi-*.bin"))
+    damaged.write_bytes(b"not a graph")
+    before = saved_graphs.counts()
+    runner = tiny_runner(weights, True, graph_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="neuron_worker.saved_graphs"):
+        runner.warmup(lambda _: None)
+    assert delta(before) == (2, 1)
+    assert f"saved graph {damaged} does not load" in caplog.text
+    assert damaged.stat().st_size > 1000  # saved again, whole
+    serve_random_passes(tiny_runner(weights, False), runner)
+
+
+def test_an_unwritable_directory_costs_only_the_saving(
+    weights: dict[str, torch.Tensor], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    runner = tiny_runner(weights, True, graph_dir=tmp_path / "a-file" / "graphs")
+    decode = Pass(  # two rows, one token each: the decode graph only
+        np.array([[5], [7]]), np.array([[0], [0]]), np.array([0, 1]), np.array([0, 1]), 64
+    )
+    with torch.inference_mode(), caplog.at_level(logging.WARNING):
+        got = runner.run(decode)
+        want = tiny_runner(weights, False).run(decode)
+    assert caplog.text.count("it compiles again next start") == 1
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_inputs_the_saved_guards_refuse_run_on_a_compiled_graph(
+    weights: dict[str, torch.Tensor], saved: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    runner = tiny_runner(weights, True, graph_dir=saved)
+    graphs = runner._saved
+    assert graphs is not None
+    counter = CompileCounter()
+    counter.ready()
+    with torch.inference_mode(), caplog.at_level(logging.WARNING):
+        # int32 tokens: the saved decode graph was traced for int64 (the rest as the runner has it)
+        args = (
+            torch.zeros(3, 1, dtype=torch.int32),
+            torch.tensor([[0], [-1], [-1]]),
+            torch.tensor([0, 4, 4]),
+            torch.arange(64),
+            torch.zeros(3, dtype=torch.int64),
+        )
+        got = graphs("decode", args)
+        graphs("decode", args)
+    counter.check()
+    assert counter.after_ready == 1  # compiled once for them, by torch.compile
+    assert caplog.text.count("saved graph decode refuses these inputs") == 1
+    assert "Int" in caplog.text and "dispatch key" not in caplog.text  # torch names the dtype
+    with torch.inference_mode():
+        want = tiny_runner(weights, False).model.step_logits(*(a.long() for a in args))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_key_follows_the_model_structure_and_the_ranges(
+    weights: dict[str, torch.Tensor],
+) -> None:
+    def model(dtype: torch.dtype = torch.float32, slots: int = 5) -> torch.nn.Module:
+        m = build_model(TINY, weights, dtype=dtype)
+        m.setup_caches(slots, 256)
+        return m
+
+    key = saved_graphs.graph_key(model(), "rows4")
+    assert saved_graphs.graph_key(model(), "rows4") == key  # same structure, other weights object
+    assert saved_graphs.graph_key(model(), "rows8") != key
+    assert saved_graphs.graph_key(model(torch.bfloat16), "rows4") != key
+    assert saved_graphs.graph_key(model(slots=9), "rows4") != key
+    tweaked = model()
+    tweaked.layers[0].attention.decode_kernel = True  # a setting the traced code reads
+    assert saved_graphs.graph_key(tweaked, "rows4") != key
+
+
+def test_a_runner_without_a_directory_saves_nothing(weights: dict[str, torch.Tensor]) -> None:
+    assert tiny_runner(weights, True)._saved is None
+    assert tiny_runner(weights, False, graph_dir=Path("/nonexistent"))._saved is None
+    bucketed: ForwardRunner = tiny_runner(
+        weights,
+        True,
+        graph_dir=Path("/nonexistent"),
+        batch_buckets=(2, 4),
+        token_buckets=(1, 8),
+        seq_buckets=(256,),
+    )
+    assert bucketed._saved is None
+    assert np.array_equal(bucketed.logits_rows(), [2, 4])
