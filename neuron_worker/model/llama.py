@@ -200,6 +200,12 @@ def _run_block(layer: nn.Module, *args: Any) -> Tensor:
     return out
 
 
+# Under torch.compile, every layer runs one graph traced and compiled once (a nested compile
+# region), not 30 unrolled copies: a forward graph compiles in 8-17 s instead of 38-65 s on 2
+# cores, at the same step time (measured). Eager calls go straight through.
+_shared_block = torch.compiler.nested_compile_region(_run_block)
+
+
 def rope_table(config: ModelConfig, max_seq: int) -> tuple[Tensor, Tensor]:
     """fp32 cos/sin tables [max_seq, head_dim] in the rotate-half layout."""
     hd = config.head_dim
@@ -227,7 +233,7 @@ class Transformer(nn.Module):
         self.max_seq = 0
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
-        self._run_block: Callable[..., Tensor] = _run_block
+        self._run_block: Callable[..., Tensor] = _shared_block
 
     def compile_blocks(self, **compile_kwargs: Any) -> None:
         """Compile one transformer block and reuse the graph for every layer (CPU/CUDA).
@@ -352,7 +358,8 @@ class Transformer(nn.Module):
         mask = kv_positions <= pos.unsqueeze(-1)  # [B, T, kv_len]
         mask = mask.unsqueeze(1).expand(b, group, t, kv_len).reshape(b, 1, group * t, kv_len)
         rows = torch.arange(b, device=tokens.device) if cache_slots is None else cache_slots
-        write_slots = rows.unsqueeze(1).expand(b, t)
+        # A copy: a nested compile region refuses two inputs that alias (this and cache_slots).
+        write_slots = rows.unsqueeze(1).expand(b, t).clone()
         write_pos = torch.where(input_pos >= 0, input_pos, self.max_seq)
 
         x = self.tok_embeddings(tokens)
