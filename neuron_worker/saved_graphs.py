@@ -81,7 +81,7 @@ class SavedGraphs:
         self._mark_dynamic = mark_dynamic
         self._fallback = fallback
         self._key = graph_key(model, ranges)
-        self._graphs: dict[str, Any] = {}  # kind -> AOTCompiledFunction
+        self._graphs: dict[str, Any] = {}  # kind -> AOTCompiledFunction, None: not compilable
         self._refused: set[str] = set()  # kinds whose guards refused a call (logged once)
         step = cast(Callable[..., torch.Tensor], model.step_logits)
         self._compile: Any = torch.compile(  # `aot_compile` is not in its type yet
@@ -97,9 +97,11 @@ class SavedGraphs:
     def __call__(self, kind: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Run the `kind` graph on `args` (not marked dynamic: a loaded graph's guards refuse
         marked tensors), loading or compiling it at its first call."""
-        graph = self._graphs.get(kind)
-        if graph is None:
-            graph = self._graphs[kind] = self._load(kind) or self._compile_and_save(kind, args)
+        if kind not in self._graphs:
+            self._graphs[kind] = self._load(kind) or self._compile_and_save(kind, args)
+        graph = self._graphs[kind]
+        if graph is None:  # it could not be compiled this way
+            return self._run_fallback(kind, args)
         if not graph.guard_check(self.model, *args):
             if kind not in self._refused:
                 self._refused.add(kind)
@@ -108,8 +110,12 @@ class SavedGraphs:
                     kind,
                     _why(graph, self.model, *args),
                 )
-            return self._fallback(*args)
+            return self._run_fallback(kind, args)
         return cast(torch.Tensor, graph(self.model, *args))
+
+    def _run_fallback(self, kind: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        self._mark_dynamic(kind, args)
+        return self._fallback(*args)
 
     def _load(self, kind: str) -> Any | None:
         path = self.path(kind)
@@ -130,7 +136,11 @@ class SavedGraphs:
     def _compile_and_save(self, kind: str, args: tuple[torch.Tensor, ...]) -> Any:
         example = tuple(a.clone() for a in args)  # marked for the compile only
         self._mark_dynamic(kind, example)
-        graph = self._compile.aot_compile((example, {}))
+        try:
+            graph = self._compile.aot_compile((example, {}))
+        except Exception as e:  # an experimental API: serve with torch.compile instead
+            log.warning("graph %s cannot be precompiled (%s): compiling it each start", kind, e)
+            return None
         graph.disable_guard_check()
         _count("compiled")
         unkeyed = sorted(
@@ -145,9 +155,10 @@ class SavedGraphs:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             for stale in self.directory.glob(f"{kind}-*.bin"):
-                stale.unlink(missing_ok=True)  # an older key: never loaded again
+                if stale != path:  # an older key (an upgrade): never loaded again
+                    stale.unlink(missing_ok=True)
             graph.save_compiled_function(str(path), external_data={"model": self.model})
-        except OSError as e:
+        except Exception as e:  # a full disk, a read-only volume, an unpicklable graph
             log.warning(
                 "graph %s not saved to %s (%s): it compiles again next start", kind, path, e
             )

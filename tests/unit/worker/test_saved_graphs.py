@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -89,6 +90,28 @@ def test_an_unwritable_directory_costs_only_the_saving(
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_graph_that_cannot_be_precompiled_runs_on_torch_compile(
+    weights: dict[str, torch.Tensor], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    runner = tiny_runner(weights, True, graph_dir=tmp_path)
+    assert runner._saved is not None
+
+    def refuse(_: object) -> None:
+        raise RuntimeError("MODULE_MATCH guard cannot be serialized")
+
+    runner._saved._compile = SimpleNamespace(aot_compile=refuse)
+    decode = Pass(
+        np.array([[5], [7]]), np.array([[0], [0]]), np.array([0, 1]), np.array([0, 1]), 64
+    )
+    with torch.inference_mode(), caplog.at_level(logging.WARNING):
+        got = runner.run(decode)
+        runner.run(decode)
+        want = tiny_runner(weights, False).run(decode)
+    assert caplog.text.count("graph decode cannot be precompiled (MODULE_MATCH guard") == 1
+    assert not list(tmp_path.iterdir())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_inputs_the_saved_guards_refuse_run_on_a_compiled_graph(
     weights: dict[str, torch.Tensor], saved: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -108,8 +131,17 @@ def test_inputs_the_saved_guards_refuse_run_on_a_compiled_graph(
         )
         got = graphs("decode", args)
         graphs("decode", args)
+        four_rows = (
+            torch.zeros(4, 1, dtype=torch.int32),
+            torch.tensor([[1], [-1], [-1], [-1]]),
+            torch.tensor([0, 4, 4, 4]),
+            torch.arange(64),
+            torch.zeros(4, dtype=torch.int64),
+        )
+        graphs("decode", four_rows)
     counter.check()
-    assert counter.after_ready == 1  # compiled once for them, by torch.compile
+    # compiled once for them, by torch.compile, with the rows symbolic as in the saved graph
+    assert counter.after_ready == 1
     assert caplog.text.count("saved graph decode refuses these inputs") == 1
     assert "Int" in caplog.text and "dispatch key" not in caplog.text  # torch names the dtype
     with torch.inference_mode():
