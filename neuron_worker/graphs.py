@@ -212,7 +212,19 @@ class ForwardRunner:
         return sorted({2, max(2, self.max_rows * width)})
 
     def _mark_dynamic(self, kind: str, args: tuple[Tensor, ...]) -> None:
-        _mark_dynamic(args, kind, self.max_rows, self.max_seq, self.verify_width, self.flat_tokens)
+        """Mark the symbolic dimensions of a `kind` pass's inputs, each with its range."""
+        tokens, pos, slots, kv, last = args
+        rows_max = max(2, self.max_rows)
+        low, high = 2, rows_max
+        if kind == "wide":  # a flat pass of more rows than a batch has: its own graph
+            low, high = rows_max + 1, self.flat_tokens
+        for t in (tokens, pos):
+            torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
+            if kind == "multi":
+                torch._dynamo.mark_dynamic(t, 1, min=2, max=self.max_seq)
+        torch._dynamo.mark_dynamic(slots, 0, min=low, max=high)
+        torch._dynamo.mark_dynamic(last, 0, min=2, max=max(2, rows_max * self.verify_width))
+        torch._dynamo.mark_dynamic(kv, 0, min=2, max=self.max_seq)
 
     def _kv_positions(self, kv_len: int) -> Tensor:
         if self._kv is None:
@@ -304,29 +316,6 @@ def graph_kind(p: Pass, max_rows: int) -> str:
     if tokens > 1:
         return "multi"
     return "wide" if rows > max(2, max_rows) else "decode"
-
-
-def _mark_dynamic(
-    args: tuple[Tensor, ...],
-    kind: str,
-    max_rows: int,
-    max_seq: int,
-    verify_width: int,
-    flat_tokens: int,
-) -> None:
-    tokens, pos, slots, kv, last = args
-    rows_max = max(2, max_rows)
-    low, high = 2, rows_max
-    multi = kind == "multi"
-    if kind == "wide":  # a flat pass of more rows than a batch has: its own graph
-        low, high = rows_max + 1, flat_tokens
-    for t in (tokens, pos):
-        torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
-        if multi:
-            torch._dynamo.mark_dynamic(t, 1, min=2, max=max_seq)
-    torch._dynamo.mark_dynamic(slots, 0, min=low, max=high)
-    torch._dynamo.mark_dynamic(last, 0, min=2, max=max(2, rows_max * verify_width))
-    torch._dynamo.mark_dynamic(kv, 0, min=2, max=max_seq)
 
 
 class CompileCounter:

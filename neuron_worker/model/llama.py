@@ -238,9 +238,10 @@ class Transformer(nn.Module):
     def compile_blocks(self, **compile_kwargs: Any) -> None:
         """Compile one transformer block and reuse the graph for every layer (CPU/CUDA).
 
-        An alternative to `torch.compile(model)`: the layers' weights are graph inputs, so all
-        layers share one compiled graph per (B, T, kv_len) and compiling a new bucket costs one
-        block instead of the whole unrolled stack. Embedding, mask and final norm stay eager.
+        An alternative to compiling the whole step (which already compiles the block once, as
+        a nested compile region): here only the blocks are compiled, one graph per (B, T,
+        kv_len) shared by all layers; embedding, mask and final norm stay eager
+        (`bench/forward.py` compares the two).
         """
         options: dict[str, Any] = {"fullgraph": True, "dynamic": False, **compile_kwargs}
         self._run_block = torch.compile(_run_block, **options)
