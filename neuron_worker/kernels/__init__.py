@@ -46,6 +46,7 @@ CXX_FLAGS = (
     "-mavx512vl",
     "-mavx512bf16",
     "-mfma",
+    "-fopenmp",  # without it `at::parallel_for` compiles to a serial loop
 )
 BLOCK, GROUP = 16, 32
 DISABLE_ENV = "MASKWIRE_KERNELS"

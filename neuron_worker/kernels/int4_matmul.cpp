@@ -32,13 +32,6 @@ constexpr int64_t kGroup = 32;  // inputs per scale
 constexpr int64_t kChunks = kGroup / 4;
 constexpr int64_t kMaxRows = 8;  // rows per pass over the weights (accumulators in registers)
 
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 // Lane q (0..15) holds bf16(q - 8): the lookup table for a nibble.
 inline __m512i nibble_table() {
   alignas(64) uint16_t t[32];
@@ -117,11 +110,14 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   at::Tensor out = at::empty({rows, n}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr<c10::BFloat16>());
   // Group sums of x for the zeros: sum_i w_i x_i = scale * sum (q - 8) x + zero * sum x.
+  // A bf16 value is the top half of its fp32 value: 32 of them are 16 even + 16 odd fp32 lanes.
   std::vector<float> xsum(rows * groups);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
   for (int64_t i = 0; i < rows * groups; ++i) {
-    float s = 0.f;
-    for (int64_t e = 0; e < kGroup; ++e) s += bf16_to_float(xp[i * kGroup + e]);
-    xsum[i] = s;
+    const __m512i v = _mm512_loadu_si512(xp + i * kGroup);
+    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));
+    xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
   }
   const auto* wp = w.const_data_ptr<uint8_t>();
   const auto* szp = scale_zero.const_data_ptr<float>();

@@ -47,6 +47,30 @@ def test_the_kernel_multiplies_bf16_activations_by_q4_1_weights(rows: int, n: in
 
 
 @needs_kernel
+def test_the_kernels_run_on_torchs_intra_op_threads() -> None:
+    """Built without OpenMP, `at::parallel_for` is a serial loop: the kernels then use one core
+    whatever `torch.set_num_threads` says."""
+    loaded = {
+        Path(line.split()[-1])
+        for line in Path("/proc/self/maps").read_text().splitlines()
+        if "maskwire_kernels-" in line
+    }
+    assert len(loaded) == 1
+    assert b"GOMP_parallel" in loaded.pop().read_bytes()
+    w = weight(3072, 576)
+    packed = kernels.pack_int4(w.q, w.scale, w.low)
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = kernels.int4_matmul(x, *packed)
+        torch.set_num_threads(2)
+        assert torch.equal(kernels.int4_matmul(x, *packed), serial)  # each thread: whole blocks
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
 def test_no_rows_and_zero_activations() -> None:
     w = weight(32, 64)
     packed = kernels.pack_int4(w.q, w.scale, w.low)
