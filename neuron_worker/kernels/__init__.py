@@ -5,7 +5,9 @@
 * `decode_attention.cpp`: attention for passes of one token per row, reading each row's KV cache
   slot in place.
 
-Each file's header says how. They need a C++ compiler (inductor already does) and a CPU with
+Each file's header says how. Both split their work over torch's intra-op threads
+(`at::parallel_for`, which is serial unless the library is built with `-fopenmp`; it then shares
+the OpenMP runtime torch has loaded). They need a C++ compiler (inductor already does) and a CPU with
 AVX512-BF16; where either is missing, or `MASKWIRE_KERNELS=0` is set, `available()` is False
 (the reason logged once) and the worker uses aten's int4 kernel and SDPA instead.
 
