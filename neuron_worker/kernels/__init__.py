@@ -7,8 +7,8 @@
 
 Each file's header says how. Both split their work over torch's intra-op threads
 (`at::parallel_for`, which is serial unless the library is built with `-fopenmp`; it then shares
-the OpenMP runtime torch has loaded). They need a C++ compiler (inductor already does) and a CPU with
-AVX512-BF16; where either is missing, or `MASKWIRE_KERNELS=0` is set, `available()` is False
+the OpenMP runtime torch has loaded). They need a C++ compiler (inductor already does) and a CPU
+with AVX512-BF16; where either is missing, or `MASKWIRE_KERNELS=0` is set, `available()` is False
 (the reason logged once) and the worker uses aten's int4 kernel and SDPA instead.
 
 The shared object is built into `<compile cache>/kernels/` (`set_kernel_dir`, which the worker
