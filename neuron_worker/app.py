@@ -73,6 +73,8 @@ def engine_config(
             else pow2_buckets(min(128, max_seq), max_seq)
         ),
         max_prefill_tokens=args.max_prefill_tokens,
+        admit_window_s=max(0.0, args.admit_window_ms) / 1e3,
+        admit_quiet_s=max(0.0, args.admit_quiet_ms) / 1e3,
         flat_tokens=None if args.flat_pass_tokens < 0 else args.flat_pass_tokens,
         # A decode step is one token per row: 1 is always a bucket.
         token_buckets=tuple(sorted({1, *parse_buckets(args.token_buckets, max_seq, 1)})),

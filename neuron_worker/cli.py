@@ -95,6 +95,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="padded tokens in one prefill batch (admission budget)",
     )
     p.add_argument(
+        "--admit-window-ms",
+        type=float,
+        default=20.0,
+        help="from idle, hold the first request up to this long for others to share its "
+        "prefill; the wait ends sooner after --admit-quiet-ms without a new request or with a "
+        "full batch (default 20; 0: admit at once)",
+    )
+    p.add_argument(
+        "--admit-quiet-ms",
+        type=float,
+        default=4.0,
+        help="gap between arrivals that ends the admission wait (default 4)",
+    )
+    p.add_argument(
         "--flat-pass-tokens",
         type=int,
         default=-1,

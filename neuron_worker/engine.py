@@ -311,6 +311,7 @@ class Engine:
         while not self._stopping and self.lost is None:
             try:
                 self._reap_aborted()
+                await self._gather_arrivals()
                 admitted = self.scheduler.admit()
                 if admitted:
                     await self._prefill(admitted)
@@ -333,6 +334,25 @@ class Engine:
                 log.exception("engine step failed; failing the running requests")
                 for req in list(self.scheduler.running):
                     self._finish(req, FR.FINISH_REASON_ERROR, error=f"internal error: {e}")
+
+    async def _gather_arrivals(self) -> None:
+        """From idle, hold the first arrival until requests stop coming (`admit_quiet_s` without
+        one, `admit_window_s` at most, or a full batch), so that requests sent together share
+        one prefill. Without it the first prompt's prefill takes both cores at once, and the
+        rest, slowed down on their way in, wait for it and then need a pass of their own."""
+        cfg = self.config
+        if cfg.admit_window_s <= 0 or self.scheduler.running or not self.scheduler.waiting:
+            return
+        deadline = time.perf_counter() + cfg.admit_window_s
+        while self.scheduler.queue_depth < cfg.max_batch and not self._stopping:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), min(cfg.admit_quiet_s, remaining))
+            except TimeoutError:
+                return
 
     def _reap_aborted(self) -> None:
         for req in list(self.scheduler.running):

@@ -20,6 +20,10 @@ class EngineConfig:
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
     seq_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
     max_prefill_tokens: int = 4096
+    # From idle, how long the first request may wait for others to share its prefill (at most),
+    # and the gap between arrivals that ends the wait early; 0 = admit at once.
+    admit_window_s: float = 0.0
+    admit_quiet_s: float = 0.004
     # Multi-token passes of at most this many tokens run one token per row (`neuron_worker.graphs`,
     # dynamic shapes); None = the runner's default, 0 = never.
     flat_tokens: int | None = None

@@ -56,6 +56,7 @@ class FakeModel:
         self.rule = next_token  # the next token after a sequence
         self.threads: set[str] = set()  # the threads that called the model
         self.gate: threading.Event | None = None  # set: a forward pass waits until it opens
+        self.rows_per_pass: list[int] = []  # rows with a real token, per forward pass
 
     def setup_caches(self, max_batch: int, max_seq: int) -> None:
         self.threads.add(threading.current_thread().name)
@@ -79,6 +80,7 @@ class FakeModel:
             assert self.gate.wait(30), "the test never opened the gate"
         b, t = tokens.shape
         kv_len = kv_positions.shape[0]
+        self.rows_per_pass.append(int((pos >= 0).any(dim=1).sum()))
         for i in range(b):  # every write of the pass first, as the model's layers do
             for j in range(t):
                 p = int(pos[i, j])
@@ -164,9 +166,13 @@ def make_engine(
     limit: int = 9,
     bucketed: bool = True,
     speculative: DraftConfig | None = None,
+    admit_window_s: float = 0.0,
+    admit_quiet_s: float = 0.004,
 ) -> tuple[Engine, FakeModel]:
     model = FakeModel()
     config = EngineConfig(
+        admit_window_s=admit_window_s,
+        admit_quiet_s=admit_quiet_s,
         max_batch=4,
         max_seq_len=256,
         max_queue=8,
@@ -260,6 +266,41 @@ async def test_continuous_batching_matches_reference(overlap: bool, bucketed: bo
     # Every model call ran on the process's one device thread (`neuron_worker.device_thread`).
     device = device_thread.executor().submit(lambda: threading.current_thread().name).result()
     assert model.threads == {device}
+
+
+@pytest.mark.parametrize("window_s", [0.0, 5.0], ids=["at-once", "window"])
+async def test_requests_sent_together_share_one_prefill(window_s: float) -> None:
+    """From idle, the first request waits while others keep arriving less than the quiet gap
+    apart (up to the admission window): one prefill pass takes them all. Without a window the
+    first is prefilled alone. Outputs are the same either way."""
+    engine, model = make_engine(overlap=False, admit_window_s=window_s, admit_quiet_s=0.2)
+    await engine.start()
+    try:
+        reqs = [request(i, constrained=i == 1) for i in range(3)]
+        tasks = []
+        for r in reqs:
+            await engine.submit(r)
+            tasks.append(asyncio.create_task(collect(r)))
+            await asyncio.sleep(0.05)
+        results = await asyncio.gather(*tasks)
+    finally:
+        await engine.stop()
+    assert model.rows_per_pass[0] == (3 if window_s else 1)
+    for r, (ids, _, _) in zip(reqs, results, strict=True):
+        assert ids == reference(r.prompt, 12, r.constrained, 9), r.request_id
+
+
+async def test_the_admission_wait_ends_when_arrivals_stop() -> None:
+    """A lone request waits one quiet gap, not the whole window."""
+    engine, _ = make_engine(overlap=False, admit_window_s=30.0, admit_quiet_s=0.05)
+    await engine.start()
+    try:
+        r = request(0, constrained=False)
+        await engine.submit(r)
+        ids, _, _ = await asyncio.wait_for(collect(r), 10)
+    finally:
+        await engine.stop()
+    assert ids == reference(r.prompt, 12, False, 9)
 
 
 async def test_the_forced_prefix_streams_before_the_prefill_pass_ends() -> None:
