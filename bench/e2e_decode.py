@@ -117,7 +117,7 @@ class StandInForward:
             time.sleep(self.delay_s)
         # Logits vary with each row's last real token, from a fixed table (no per-step work
         # that scales with the vocabulary: the stand-in must cost nothing itself).
-        flat = tokens[:, 0] if tokens.shape[1] == 1 else tokens.reshape(-1)[last]
+        flat = tokens.reshape(-1)[last]
         rows = flat % self._table.shape[0]
         return self._table[rows]
 

@@ -73,7 +73,7 @@ def decode_pass(rows: int) -> Pass:
         np.full((rows, 1), 7, np.int64),
         np.full((rows, 1), KV - 1, np.int64),
         np.arange(rows, dtype=np.int64),
-        np.zeros(rows, np.int64),
+        np.arange(rows, dtype=np.int64),
         KV,
     )
 

@@ -103,7 +103,7 @@ def step_inputs(engine: Engine, n: int, kv: int) -> tuple[Any, ...]:
     tokens = np.full((n, 1), 504, dtype=np.int64)
     pos = np.full((n, 1), kv // 2, dtype=np.int64)
     slots = np.arange(n, dtype=np.int64)
-    last = np.zeros(n, dtype=np.int64)
+    last = np.arange(n, dtype=np.int64)
     compact = np.full((n, words), -1, dtype=np.int32)
     compact[: n // 2, words // 2 :] = 0
     dest = np.full(n, n, dtype=np.int64)

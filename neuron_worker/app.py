@@ -95,7 +95,8 @@ def ranges_dir(cache: Path | None, args: argparse.Namespace) -> Path | None:
         return None
     spec = draft_config(args)
     width = 1 + (spec.num_draft_tokens if spec else 0)
-    flat = args.flat_pass_tokens  # the wide graph's rows go up to it (-1: the runner's default)
+    # The wide graph's rows go up to it; "auto": the runner's default (`default_flat_tokens`).
+    flat = args.flat_pass_tokens if args.flat_pass_tokens >= 0 else "auto"
     return cache / f"rows{args.max_batch_size}-seq{args.max_seq_len}-verify{width}-flat{flat}"
 
 

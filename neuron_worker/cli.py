@@ -112,10 +112,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--flat-pass-tokens",
         type=int,
         default=-1,
-        help="run a multi-token pass (forced tokens, draft verification, short prompt) of at "
-        "most this many tokens as one token per row, through the decode kernels (default "
-        "-1: max batch size x max(4, 1 + draft tokens), at most 512; 0: never; dynamic shapes "
-        "only)",
+        help="run a multi-token pass (forced tokens, draft verification, prefill) of at most "
+        "this many tokens as one token per row, through the decode kernels (default -1: 512 "
+        "where the decode attention kernel reads the cache in place, else max batch size x "
+        "max(4, 1 + draft tokens); at most 512; 0: never; dynamic shapes only)",
     )
     p.add_argument(
         "--batch-buckets", default="", help="comma-separated batch sizes (default 1,2,4,...,max)"

@@ -2,7 +2,8 @@
 the count of graphs compiled after warm-up (which must stay 0).
 
 The engine describes a pass as rows of tokens (host arrays padded to `shape(...)`); the runner
-puts them on the device and runs the model's `step_logits`, which returns each row's logits.
+puts them on the device and runs the model's `step_logits`, which returns the logits `Pass.last`
+names.
 Two shape policies:
 
 * **Buckets** (XLA, where every distinct shape is a graph): rows, tokens per row and the KV length
@@ -22,10 +23,12 @@ Two shape policies:
   the decode graph itself, with the decode pass's kernels (4-bit weights where the worker uses
   them): the same per-row results as decoding those tokens one step at a time. Above `max_rows`
   tokens it is the third graph, `wide` (one token per row, `max_rows + 1`..`flat_tokens` rows).
+  Where attention reads the cache in place, prefills of up to `MAX_FLAT_TOKENS` run flat too
+  (`default_flat_tokens`).
 
-Which logits a pass returns: a decode pass, one per row; a multi-token pass, one per entry of
-`Pass.last`, a flat index into the [rows x tokens] grid, so a verification pass returns the logits
-of every draft position of every row (`verify_width` per row at most; bucketed: the logits rows
+Which logits a pass returns: one per entry of `Pass.last`, a flat index into the [rows x tokens]
+grid. A decode pass names each of its rows; a flat pass, only the tokens whose logits are wanted
+(the LM head runs for those alone); a verification pass, every draft position of every row (`verify_width` per row at most; bucketed: the logits rows
 are padded to rows x `verify_width` for such passes, one more graph per forward bucket).
 """
 
@@ -77,9 +80,9 @@ class StepModel(Protocol):
 @dataclass(frozen=True)
 class Pass:
     """A forward pass as host arrays, already padded: tokens/positions int64 [rows, tokens]
-    (position -1 = padding), slots int64 [rows], last int64 [logits rows] (multi-token passes:
-    flat indices `row * tokens + column` of the tokens whose logits the pass returns; decode
-    passes return every row's logits and `last` has one entry per row), kv_len."""
+    (position -1 = padding), slots int64 [rows], last int64 [logits rows]: flat indices
+    `row * tokens + column` of the tokens whose logits the pass returns (one token per row:
+    rows; a decode pass names each of its rows), kv_len."""
 
     tokens: np.ndarray
     positions: np.ndarray
@@ -123,7 +126,7 @@ class ForwardRunner:
         self.seq_buckets = list(seq_buckets)
         self.verify_width = max(1, verify_width)
         if flat_tokens is None:
-            flat_tokens = max(2, max_rows) * max(4, self.verify_width)
+            flat_tokens = default_flat_tokens(model, max_rows, self.verify_width)
         self.flat_tokens = 0 if self.bucketed else min(flat_tokens, MAX_FLAT_TOKENS)
         self.dynamic = backend.compile_enabled and not self.bucketed
         # One compiled function; its decode (1 token per row) and multi-token graphs differ in
@@ -168,13 +171,11 @@ class ForwardRunner:
     # ------------------------------------------------------------------ running
     def run(self, p: Pass) -> Tensor:
         """Device thread: logits [len(p.last), vocab] float32 (padding entries: garbage)."""
-        picks: np.ndarray | None = None  # flat pass: the row of each entry of `p.last`
-        split = False
         multi_token = p.tokens.shape[1] > 1
         if multi_token and 0 < int((p.positions >= 0).sum()) <= self.flat_tokens:
-            q, picks = _flatten(p)
+            q = _flatten(p)
         elif not self.bucketed and p.tokens.shape[0] == 1 and multi_token:
-            q, split = _split_row(p), True
+            q = _split_row(p)
         else:
             q = p
         backend = self.backend
@@ -193,12 +194,6 @@ class ForwardRunner:
                 if self.dynamic:
                     self._mark_dynamic(kind, args)
                 logits = self._step(*args)
-            if picks is not None:
-                logits = logits.index_select(0, backend.to_device(torch.from_numpy(picks)))
-            elif split and kind != "multi":
-                # Two halves of one token each ran as a decode pass, which returns both rows:
-                # the flat indices of `last` are those rows.
-                logits = logits.index_select(0, args[4])
             backend.mark_step()
             backend.sync()
         return logits
@@ -274,6 +269,17 @@ class ForwardRunner:
         return passes
 
 
+def default_flat_tokens(model: StepModel, max_rows: int, verify_width: int) -> int:
+    """Where multi-token passes stop running flat by default. With attention that reads each
+    row's cache slot in place, every pass up to `MAX_FLAT_TOKENS` runs flat, prefills included:
+    a batch of prompts then costs its real tokens, not rows x the longest prompt (8 chat prompts
+    of 46-67 tokens: 440 real tokens in a grid of 552). Otherwise attention gathers each flat
+    row's keys, and only jump-forward and verification passes run flat."""
+    if getattr(model, "attends_in_place", False):
+        return MAX_FLAT_TOKENS
+    return max(2, max_rows) * max(4, verify_width)
+
+
 def _split_row(p: Pass) -> Pass:
     """One row of T tokens as two rows of ceil(T/2) tokens on the same cache slot."""
     t = p.tokens.shape[1]
@@ -288,9 +294,9 @@ def _split_row(p: Pass) -> Pass:
     return Pass(tokens, positions, np.repeat(p.slots[:1], 2), p.last, p.kv_len)
 
 
-def _flatten(p: Pass) -> tuple[Pass, np.ndarray]:
-    """A multi-token pass as one row per real token (a decode pass), and for each entry of
-    `p.last` the row that now holds that token (padding entries: row 0)."""
+def _flatten(p: Pass) -> Pass:
+    """A multi-token pass as one row per real token (a decode pass); its `last` names, for each
+    entry of `p.last`, the row that now holds that token (padding entries: row 0)."""
     real = np.flatnonzero(p.positions.reshape(-1) >= 0)
     row_of = np.zeros(p.tokens.size, dtype=np.int64)
     row_of[real] = np.arange(len(real))
@@ -303,11 +309,7 @@ def _flatten(p: Pass) -> tuple[Pass, np.ndarray]:
             np.append(positions, -1),
             np.append(slots, p.slots[-1]),
         )
-    # A decode pass returns every row's logits and ignores `last` (2 entries: its minimum size).
-    flat = Pass(
-        tokens.reshape(-1, 1), positions.reshape(-1, 1), slots, np.zeros(2, np.int64), p.kv_len
-    )
-    return flat, row_of[p.last]
+    return Pass(tokens.reshape(-1, 1), positions.reshape(-1, 1), slots, row_of[p.last], p.kv_len)
 
 
 def graph_kind(p: Pass, max_rows: int) -> str:

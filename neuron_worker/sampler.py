@@ -302,8 +302,8 @@ class Sampler:
     none and ``packed_mask`` must be None.
 
     Compiled graphs per mode: a static one for N = 1 and one with a symbolic batch dimension for
-    every N >= 2, so ``warmup`` compiles 6 graphs whatever the buckets (cold, 5-50 s each on a
-    loaded 2-core CPU host; seconds with inductor's on-disk cache warm). The graph kind is picked
+    every N >= 2, so ``warmup`` compiles 6 graphs whatever the buckets (cold, 1.5-9 s each on a
+    2-core CPU host; seconds with inductor's on-disk cache warm). The graph kind is picked
     on the host from :attr:`SamplingTensors.mode`: no tensor value is ever read.
     """
 

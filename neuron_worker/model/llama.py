@@ -311,6 +311,15 @@ class Transformer(nn.Module):
             attn.decode_kernel = decode_kernel
         self.output = serving(self.output, None, "none")
 
+    @property
+    def attends_in_place(self) -> bool:
+        """Whether passes of one token per row read each row's cache slot in place (the decode
+        attention kernel), so that a flat pass of many tokens copies no keys per token."""
+        return any(
+            isinstance(layer, TransformerBlock) and layer.attention.decode_kernel
+            for layer in self.layers
+        )
+
     def kv_caches(self) -> list[KVCache]:
         """Each layer's cache (empty before `setup_caches`)."""
         caches = []
@@ -385,16 +394,14 @@ class Transformer(nn.Module):
         kv_positions: Tensor,
         last: Tensor,
     ) -> Tensor:
-        """One pass and float32 logits: the graph the engine runs (and compiles) for every
-        forward pass. One token per row (decode): [B, vocab_size], each row's. Several: [N,
-        vocab_size] for the tokens `last` [N] names as flat indices `row * T + column` (a row's
-        last token, or every draft position of a speculative verification)."""
+        """One pass and float32 logits [N, vocab_size] for the tokens `last` [N] names: the
+        graph the engine runs (and compiles) for every forward pass. With one token per row,
+        `last` holds rows (a decode pass names each row; a flat pass of many tokens, the few
+        whose logits are wanted, so the LM head runs for those only); with several, flat
+        indices `row * T + column` (a row's last token, or every draft position of a
+        speculative verification)."""
         h = self.hidden(tokens, input_pos, cache_slots, kv_positions)
-        if tokens.shape[1] > 1:
-            h = h.reshape(tokens.shape[0] * tokens.shape[1], h.shape[-1])[last]
-        else:
-            h = h[:, 0]
-        return self.logits(h)
+        return self.logits(h.reshape(tokens.shape[0] * tokens.shape[1], h.shape[-1])[last])
 
     def logits(self, hidden: Tensor) -> Tensor:
         """[N, dim] -> [N, vocab_size] float32 (LM head)."""

@@ -109,5 +109,5 @@ def batch_generate(
             out[i].append(t)
         tokens = sampled.unsqueeze(1)
         positions = (lengths + step).unsqueeze(1)
-        last = torch.zeros(b, dtype=torch.int64)
+        last = torch.arange(b)
     return out

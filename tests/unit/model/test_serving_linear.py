@@ -88,7 +88,7 @@ def test_a_serving_model_decodes_like_the_reference_model() -> None:
         pos = torch.arange(4).expand(2, 4)
         for m in (ref, fast):
             m.step_logits(tokens, pos, slots, kv, torch.tensor([3, 3]))
-        step = (torch.tensor([[4], [6]]), torch.tensor([[4], [4]]), slots, kv, torch.zeros(2))
+        step = (torch.tensor([[4], [6]]), torch.tensor([[4], [4]]), slots, kv, torch.arange(2))
         want = ref.step_logits(*step)
         got = fast.step_logits(*step)
     assert torch.equal(got.argmax(-1), want.argmax(-1))

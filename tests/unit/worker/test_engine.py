@@ -87,8 +87,8 @@ class FakeModel:
                 if p >= 0:
                     assert p < kv_len
                     self.cache[int(slots[i]), p] = int(tokens[i, j])
-        # Decode: one logits row per row; multi-token: one per flat index in `last`.
-        picks = [(i, 0) for i in range(b)] if t == 1 else [divmod(int(x), t) for x in last]
+        # One logits row per flat index in `last` (with one token per row: a row).
+        picks = [divmod(int(x), t) for x in last]
         out = torch.zeros(len(picks), dtype=torch.long)
         for k, (i, j) in enumerate(picks):
             p = int(pos[i, j])

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from neuron_worker.backends import create_backend
-from neuron_worker.graphs import CompileCounter, ForwardRunner, Pass
+from neuron_worker.graphs import MAX_FLAT_TOKENS, CompileCounter, ForwardRunner, Pass
 from neuron_worker.model import Transformer, build_model
-from tests.unit.model.tiny import TINY, random_weights
+from tests.unit.model.tiny import TINY, random_weights, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,43 @@ def test_a_flat_pass_gives_the_logits_of_the_padded_grid() -> None:
         want = run(grid, [3, 4, 5], steps, [len(x) for x in prompts])
     assert got.shape == want.shape == (7, TINY.vocab_size)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefills_run_flat_where_attention_reads_the_cache_in_place() -> None:
+    """With the decode attention kernel, a batch of prompts of different lengths runs as one
+    token per row (its real tokens, the LM head for each row's last one only) and gives the
+    logits of the padded grid; without it, only small passes run flat."""
+    config = tiny_config(dim=64, head_dim=32, vocab_size=128)
+    m = build_model(config, random_weights(config), dtype=torch.bfloat16)
+    kw: dict[str, Any] = {"max_rows": 4, "max_seq": 64, "pad_slot": 7}
+    assert ForwardRunner(m, create_backend("cpu"), **kw).flat_tokens == 16
+    m.use_serving_linears("none")
+    if not m.attends_in_place:
+        pytest.skip("the decode attention kernel is not available on this CPU")
+    m.setup_caches(8, 64)
+    flat = ForwardRunner(m, create_backend("cpu"), **kw)
+    grid = ForwardRunner(m, create_backend("cpu"), flat_tokens=0, **kw)
+    assert flat.flat_tokens == MAX_FLAT_TOKENS
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, config.vocab_size, n) for n in (11, 3, 17, 6)]
+
+    def prefill(r: ForwardRunner, slots: list[int]) -> torch.Tensor:
+        n, t, kv = r.shape(4, 17, 17)
+        tok = np.zeros((n, t), np.int64)
+        pos = np.full((n, t), -1, np.int64)
+        for i, x in enumerate(prompts):
+            tok[i, : len(x)] = x
+            pos[i, : len(x)] = np.arange(len(x))
+        last = np.array([i * t + len(x) - 1 for i, x in enumerate(prompts)], np.int64)
+        return r.run(Pass(tok, pos, np.array(slots, np.int64), last, kv))
+
+    with torch.inference_mode():
+        got = prefill(flat, [0, 1, 2, 3])
+        want = prefill(grid, [4, 5, 6, 7])
+    assert got.shape == want.shape == (4, config.vocab_size)
+    # bf16 either way, through different attention kernels: both are ~0.7 from fp32 here.
+    torch.testing.assert_close(got, want, rtol=0, atol=0.03 * float(want.abs().max()))
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_dynamic_shapes_pad_to_two_rows_and_align_kv(model: Transformer) -> None:
