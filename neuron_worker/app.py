@@ -52,6 +52,8 @@ def engine_config(
         raise SystemExit(f"--flat-pass-tokens must be -1 (auto) or 0..{MAX_FLAT_TOKENS}")
     if args.verify_pass_tokens < -1:
         raise SystemExit("--verify-pass-tokens must be -1 (auto), 0 (no limit) or more")
+    if args.admit_window_ms < 0 or args.admit_quiet_ms < 0:
+        raise SystemExit("--admit-window-ms and --admit-quiet-ms must be >= 0")
     max_seq = min(args.max_seq_len, model_max_seq)
     if max_seq < 2:
         raise SystemExit("--max-seq-len must be >= 2")
@@ -73,8 +75,8 @@ def engine_config(
             else pow2_buckets(min(128, max_seq), max_seq)
         ),
         max_prefill_tokens=args.max_prefill_tokens,
-        admit_window_s=max(0.0, args.admit_window_ms) / 1e3,
-        admit_quiet_s=max(0.0, args.admit_quiet_ms) / 1e3,
+        admit_window_s=args.admit_window_ms / 1e3,
+        admit_quiet_s=args.admit_quiet_ms / 1e3,
         flat_tokens=None if args.flat_pass_tokens < 0 else args.flat_pass_tokens,
         # A decode step is one token per row: 1 is always a bucket.
         token_buckets=tuple(sorted({1, *parse_buckets(args.token_buckets, max_seq, 1)})),

@@ -44,9 +44,11 @@ def test_verification_passes_are_budgeted_on_cpu_only() -> None:
         ("--flat-pass-tokens", "100000"),
         ("--flat-pass-tokens", "-2"),
         ("--verify-pass-tokens", "-5"),
+        ("--admit-window-ms", "-1"),
+        ("--admit-quiet-ms", "-0.5"),
     ],
 )
-def test_pass_token_limits_are_checked(argv: tuple[str, str]) -> None:
+def test_pass_and_admission_limits_are_checked(argv: tuple[str, str]) -> None:
     with pytest.raises(SystemExit, match=argv[0]):
         engine_config(parse(*argv), 2048)
 
