@@ -3,8 +3,10 @@
 The embedded SmolLM2-135M as the worker serves it (`load_model(serving=True)`, bf16 activations):
 `--quantize none` (oneDNN-prepacked bf16 weights), `int8` (per-channel int8 weights), `int4-aten`
 (the GGUF's own Q4_1 weights through aten's int4 kernel, and SDPA: `MASKWIRE_KERNELS=0`) and `int4`
-(the same weights through the worker's own kernels, `neuron_worker.kernels`), each through the worker's `ForwardRunner` with its compiled decode graph. Decode step = B
-rows x 1 token at a 256-position KV length, B in 1, 4, 5, 8; the median of `--repeats` timings of
+(the same weights through the worker's own kernels, `neuron_worker.kernels`), each through the
+worker's `ForwardRunner` with its compiled decode graph. Decode step = B rows x 1 token at a
+256-position KV length, B in 1, 4, 5, 8, and 16, 32 (a flat jump-forward or verification pass of
+that many tokens, which takes the same weights as decoding); the median of `--repeats` timings of
 `--steps` steps, the variants interleaved so that load drifts hit them alike. Each variant runs
 in a process of its own (`--variant`): the worker compiles `step_logits` without guards on module
 attributes, so in one process every model after the first would run the first one's graph.
@@ -49,7 +51,9 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "int4-aten": ("int4", {"MASKWIRE_KERNELS": "0"}),
     "int4": ("int4", {}),
 }
-ROWS = (1, 4, 5, 8)
+# Rows of a one-token-per-row pass: decode steps, and past the batch (8) the flat jump-forward and
+# verification passes, which take the same weights.
+ROWS = (1, 4, 5, 8, 16, 32)
 PROMPTS = (
     "The capital of France is",
     "List three colors as JSON:",
@@ -60,9 +64,7 @@ MAX_ROWS = 8
 
 
 def serving_model(scheme: str, dtype: torch.dtype = torch.bfloat16) -> Transformer:
-    model = load_model(
-        "default", dtype=dtype, serving=True, quantize=scheme, quantize_rows=MAX_ROWS
-    )
+    model = load_model("default", dtype=dtype, serving=True, quantize=scheme)
     model.setup_caches(MAX_ROWS + 1, KV)
     return model
 
@@ -72,7 +74,7 @@ def decode_pass(rows: int) -> Pass:
     return Pass(
         np.full((rows, 1), 7, np.int64),
         np.full((rows, 1), KV - 1, np.int64),
-        np.arange(rows, dtype=np.int64),
+        np.arange(rows, dtype=np.int64) % MAX_ROWS,  # a flat pass: several tokens per slot
         np.arange(rows, dtype=np.int64),
         KV,
     )
@@ -120,7 +122,7 @@ def greedy(model: Transformer, prompt: list[int], n: int) -> list[int]:
         slots[0] = 0
         last = np.zeros(max(rows, 2), np.int64)
         last[0] = len(fresh) - 1
-        logits = runner.run(Pass(tok, pos, slots, last, kv))
+        logits = runner.run(Pass(tok, pos, slots, last, kv, prefill=start == 0))
         nxt = int(logits[0].argmax())
         out.append(nxt)
         start = len(tokens)

@@ -23,7 +23,7 @@ from neuron_worker.backends import create_backend
 from neuron_worker.drafter import DraftConfig
 from neuron_worker.engine import Engine, EngineConfig
 from neuron_worker.grammar_client import GrammarClient
-from neuron_worker.graphs import MAX_FLAT_TOKENS
+from neuron_worker.graphs import GRAPH_LAYOUT, MAX_FLAT_TOKENS
 from neuron_worker.metrics import Metrics
 from neuron_worker.parallel.serving import RankGroup, RankSpec
 from neuron_worker.scheduler import parse_buckets, pow2_buckets
@@ -97,9 +97,10 @@ def ranges_dir(cache: Path | None, args: argparse.Namespace) -> Path | None:
         return None
     spec = draft_config(args)
     width = 1 + (spec.num_draft_tokens if spec else 0)
-    # The wide graph's rows go up to it; "auto": the runner's default (`default_flat_tokens`).
+    # Flat passes' rows go up to it; "auto": the runner's default (`default_flat_tokens`).
     flat = args.flat_pass_tokens if args.flat_pass_tokens >= 0 else "auto"
-    return cache / f"rows{args.max_batch_size}-seq{args.max_seq_len}-verify{width}-flat{flat}"
+    ranges = f"rows{args.max_batch_size}-seq{args.max_seq_len}-verify{width}-flat{flat}"
+    return cache / f"{ranges}-layout{GRAPH_LAYOUT}"
 
 
 def verify_pass_tokens(args: argparse.Namespace) -> int:
@@ -168,7 +169,6 @@ async def serve(
             dtype=tuning.dtype,
             serving=tp == 1,  # a sharded model gets its serving kernels after sharding
             quantize=tuning.quantize,
-            quantize_rows=args.max_batch_size,  # every decode pass
         ).eval()
     )
     config = engine_config(

@@ -687,7 +687,7 @@ class Engine:
             last[o : o + row.outputs] = i * t + np.arange(k - row.outputs, k)
             o += row.outputs
             row.req.forward_passes += 1
-        p = Pass(tokens, pos, slots, last, kv_len)
+        p = Pass(tokens, pos, slots, last, kv_len, prefill=kind == "prefill")
         began = time.perf_counter()
         logits = await self._on_device(lambda: self.device.forward(p))
         self.metrics.forward(kind, time.perf_counter() - began)

@@ -2,29 +2,32 @@
 the count of graphs compiled after warm-up (which must stay 0).
 
 The engine describes a pass as rows of tokens (host arrays padded to `shape(...)`); the runner
-puts them on the device and runs the model's `step_logits`, which returns the logits `Pass.last`
-names.
+puts them on the device and runs the model's `step_logits` (or `prefill_logits`, see Roles),
+which returns the logits `Pass.last` names.
 Two shape policies:
 
 * **Buckets** (XLA, where every distinct shape is a graph): rows, tokens per row and the KV length
   are each padded to a bucket; every (rows, tokens, kv) bucket is one graph, all traced at warm-up.
-* **Dynamic** (`torch.compile` on CPU/CUDA, and eager): three graphs in all. `decode` takes one
-  token per row, up to `max_rows` rows; `multi` takes several (prefill, jump-forward, speculative
-  verification). Rows (2..max), tokens per row (2..max), logits rows (2..max) and the KV length
-  (2..max) are symbolic, so no request shape can need a new graph. Passes are padded to 2 rows at
-  least: a 1-row decode gets a padding row; a 1-row multi-token pass is split into two half-rows
-  on the same cache slot (the second attends the first's keys, written earlier in the same
-  layer), which costs nothing. Symbolic sizes start at 2 because torch specializes sizes 0 and 1.
+* **Dynamic** (`torch.compile` on CPU/CUDA, and eager): `decode` takes one token per row,
+  `multi` several (prefill, jump-forward, speculative verification). Rows (2..max), tokens per
+  row (2..max), logits rows (2..max) and the KV length (2..max) are symbolic, so no request
+  shape can need a new graph. Passes are padded to 2 rows at least: a 1-row decode gets a
+  padding row; a 1-row multi-token pass is split into two half-rows on the same cache slot (the
+  second attends the first's keys, written earlier in the same layer), which costs nothing.
+  Symbolic sizes start at 2 because torch specializes sizes 0 and 1.
   **Flat passes**: a multi-token pass of at most `flat_tokens` real tokens runs instead as one
   token per row, each on its row's cache slot (the same trick as the split: a token attends the
-  keys its row's earlier tokens wrote in the same layer). A jump-forward or verification pass is
-  mostly padding in the [rows x tokens] grid (8 rows, one with 5 forced tokens, is 48 tokens for
-  12 real ones); flat, its matmuls see only the real tokens, and up to `max_rows` tokens it is
-  the decode graph itself, with the decode pass's kernels (4-bit weights where the worker uses
-  them): the same per-row results as decoding those tokens one step at a time. Above `max_rows`
-  tokens it is the third graph, `wide` (one token per row, `max_rows + 1`..`flat_tokens` rows).
-  Where attention reads the cache in place, prefills of up to `MAX_FLAT_TOKENS` run flat too
-  (`default_flat_tokens`).
+  keys its row's earlier tokens wrote in the same layer), through the `decode` graph. A
+  jump-forward or verification pass is mostly padding in the [rows x tokens] grid (8 rows, one
+  with 5 forced tokens, is 48 tokens for 12 real ones); flat, its matmuls see only the real
+  tokens. Where attention reads the cache in place, prefills of up to `MAX_FLAT_TOKENS` run flat
+  too (`default_flat_tokens`), and a larger pass runs as consecutive flat chunks (`chunked`), so
+  `multi` is never used there.
+  **Roles**: a model with weight-only quantized projections (`quantized`) runs passes over
+  prompts (`Pass.prefill`) through `prefill_logits` (dense weights) and the others through
+  `step_logits` (quantized), each with its own graphs (kinds `prefill`, `prefill_multi`). The
+  role, not the size, picks the weights, so a token's logits do not depend on what shares its
+  pass (`neuron_worker.model.linear`).
 
 Which logits a pass returns: one per entry of `Pass.last`, a flat index into the [rows x tokens]
 grid. A decode pass names each of its rows; a flat pass, only the tokens whose logits are wanted
@@ -54,8 +57,13 @@ log = logging.getLogger(__name__)
 # KV lengths are rounded up to this many positions (aligned attention reads, fewer distinct
 # shapes for the bucketed policy's neighbours).
 KV_ALIGN = 64
-# Flat passes run at most this many rows: the wide graph gathers each row's KV (~1.5 MB per row
-# at a 2048 KV length for SmolLM2), and its largest pass runs at warm-up.
+# The layout of the dynamic graphs: their kinds and symbolic ranges. torch's FX graph cache keys
+# a graph without the ranges it was compiled for, so graphs of another layout must not share a
+# cache directory (`app.ranges_dir` names it). Bump it when a kind's range changes.
+GRAPH_LAYOUT = 2
+# Flat passes run at most this many rows (larger ones in chunks, where attention reads in place):
+# without that kernel a flat row gathers its slot's KV (~1.5 MB per row at a 2048 KV length for
+# SmolLM2), and the largest pass runs at warm-up.
 MAX_FLAT_TOKENS = 512
 
 
@@ -77,19 +85,24 @@ class StepModel(Protocol):
         last: Tensor,
     ) -> Tensor: ...
 
+    # A model whose `quantized` is true also has `prefill_logits` (same arguments), for passes
+    # over prompts (`Pass.prefill`); the others run every pass through `step_logits`.
+
 
 @dataclass(frozen=True)
 class Pass:
     """A forward pass as host arrays, already padded: tokens/positions int64 [rows, tokens]
     (position -1 = padding), slots int64 [rows], last int64 [logits rows]: flat indices
     `row * tokens + column` of the tokens whose logits the pass returns (one token per row:
-    rows; a decode pass names each of its rows), kv_len."""
+    rows; a decode pass names each of its rows), kv_len. `prefill`: a pass over prompts
+    (`Transformer.prefill_logits`), not over tokens the requests generated."""
 
     tokens: np.ndarray
     positions: np.ndarray
     slots: np.ndarray
     last: np.ndarray
     kv_len: int
+    prefill: bool = False
 
 
 class ForwardRunner:
@@ -129,12 +142,23 @@ class ForwardRunner:
         if flat_tokens is None:
             flat_tokens = default_flat_tokens(model, max_rows, self.verify_width)
         self.flat_tokens = 0 if self.bucketed else min(flat_tokens, MAX_FLAT_TOKENS)
+        # Where attention reads the cache in place, a multi-token pass of more than
+        # `flat_tokens` runs flat too, in chunks: no pass ever needs the `multi` graph.
+        self.chunked = self.flat_tokens > 0 and bool(getattr(model, "attends_in_place", False))
+        self.flat_rows = max(2, max_rows, self.flat_tokens)  # rows of a one-token-per-row pass
         self.dynamic = backend.compile_enabled and not self.bucketed
-        # One compiled function; its decode (1 token per row) and multi-token graphs differ in
-        # the token dimension, static 1 in one and symbolic in the other.
-        self._step = model.step_logits
-        if backend.compile_enabled:
-            self._step = backend.compile(model.step_logits, name="step", dynamic=self.dynamic)
+        # The pass functions by name: `prefill_logits` only where it differs (`Pass.prefill`).
+        # Each compiled function's one-token-per-row and multi-token graphs differ in the token
+        # dimension, static 1 in one and symbolic in the other.
+        names = ["step_logits"]
+        if getattr(model, "quantized", False):
+            names.append("prefill_logits")
+        self._functions: dict[str, Callable[..., Tensor]] = {}
+        for name in names:
+            fn = getattr(model, name)
+            if backend.compile_enabled:
+                fn = backend.compile(fn, name=name.removesuffix("_logits"), dynamic=self.dynamic)
+            self._functions[name] = fn
         self._saved: SavedGraphs | None = None
         if self.dynamic and graph_dir is not None and isinstance(model, nn.Module):
             ranges = f"rows{max_rows} seq{max_seq} verify{self.verify_width} flat{self.flat_tokens}"
@@ -143,7 +167,7 @@ class ForwardRunner:
                 graph_dir,
                 ranges=ranges,
                 mark_dynamic=self._mark_dynamic,
-                fallback=self._step,
+                fallbacks=self._functions,
             )
         self._kv: Tensor | None = None
 
@@ -172,14 +196,38 @@ class ForwardRunner:
     # ------------------------------------------------------------------ running
     def run(self, p: Pass) -> Tensor:
         """Device thread: logits [len(p.last), vocab] float32 (padding entries: garbage)."""
-        multi_token = p.tokens.shape[1] > 1
-        if multi_token and 0 < int((p.positions >= 0).sum()) <= self.flat_tokens:
-            q = _flatten(p)
-        elif not self.bucketed and p.tokens.shape[0] == 1 and multi_token:
-            q = _split_row(p)
-        else:
-            q = p
+        if p.tokens.shape[1] > 1:
+            real = int((p.positions >= 0).sum())
+            if self.chunked and real > self.flat_tokens:
+                return self._run_chunks(_flatten(p))
+            if 0 < real <= self.flat_tokens:
+                return self._run_graph(_flatten(p))
+            if not self.bucketed and p.tokens.shape[0] == 1:
+                return self._run_graph(_split_row(p))
+        return self._run_graph(p)
+
+    def _run_chunks(self, flat: Pass) -> Tensor:
+        """A flat pass of more than `flat_tokens` rows as consecutive flat passes of at most
+        that many: a row's later tokens attend the keys its earlier ones wrote in an earlier
+        chunk, so the logits are those of one pass."""
+        pieces: list[Tensor] = []
+        order: list[np.ndarray] = []
+        for begin in range(0, flat.tokens.shape[0], self.flat_tokens):
+            end = begin + self.flat_tokens
+            wanted = np.flatnonzero((flat.last >= begin) & (flat.last < end))
+            logits = self._run_graph(_chunk(flat, begin, end, flat.last[wanted] - begin))
+            pieces.append(logits[: len(wanted)])
+            order.append(wanted)
+        inverse = np.empty(len(flat.last), dtype=np.int64)
+        inverse[np.concatenate(order)] = np.arange(len(flat.last))
+        with self.backend.inference_mode():
+            index = self.backend.to_device(torch.from_numpy(inverse))
+            return torch.cat(pieces).index_select(0, index)
+
+    def _run_graph(self, q: Pass) -> Tensor:
         backend = self.backend
+        function = "prefill_logits" if q.prefill and "prefill_logits" in self._functions else None
+        function = function or "step_logits"
         with backend.inference_mode():
             args = (
                 backend.to_device(torch.from_numpy(q.tokens)),
@@ -188,13 +236,13 @@ class ForwardRunner:
                 self._kv_positions(q.kv_len),
                 backend.to_device(torch.from_numpy(q.last)),
             )
-            kind = graph_kind(q, self.max_rows)
+            kind = graph_kind(q, prefill=function == "prefill_logits")
             if self._saved is not None:
-                logits = self._saved(kind, args)
+                logits = self._saved(kind, function, args)
             else:
                 if self.dynamic:
                     self._mark_dynamic(kind, args)
-                logits = self._step(*args)
+                logits = self._functions[function](*args)
             backend.mark_step()
             backend.sync()
         return logits
@@ -211,14 +259,13 @@ class ForwardRunner:
         """Mark the symbolic dimensions of a `kind` pass's inputs, each with its range."""
         tokens, pos, slots, kv, last = args
         rows_max = max(2, self.max_rows)
-        low, high = 2, rows_max
-        if kind == "wide":  # a flat pass of more rows than a batch has: its own graph
-            low, high = rows_max + 1, self.flat_tokens
+        multi = kind.endswith("multi")
+        high = rows_max if multi else self.flat_rows  # a flat pass: one row per token
         for t in (tokens, pos):
-            torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
-            if kind == "multi":
+            torch._dynamo.mark_dynamic(t, 0, min=2, max=high)
+            if multi:
                 torch._dynamo.mark_dynamic(t, 1, min=2, max=self.max_seq)
-        torch._dynamo.mark_dynamic(slots, 0, min=low, max=high)
+        torch._dynamo.mark_dynamic(slots, 0, min=2, max=high)
         torch._dynamo.mark_dynamic(last, 0, min=2, max=max(2, rows_max * self.verify_width))
         torch._dynamo.mark_dynamic(kv, 0, min=2, max=self.max_seq)
 
@@ -232,7 +279,7 @@ class ForwardRunner:
         """Device thread: run every graph once on padding inputs (the pad slot's scratch
         position); returns how many passes ran."""
         count = 0
-        for rows, tokens, kv, outputs in self._warmup_shapes():
+        for rows, tokens, kv, outputs, prefill in self._warmup_shapes():
             pos = np.full((rows, tokens), -1, dtype=np.int64)
             slots = np.full(rows, self.pad_slot, dtype=np.int64)
             self.run(
@@ -242,31 +289,33 @@ class ForwardRunner:
                     slots,
                     np.zeros(outputs, np.int64),
                     kv,
+                    prefill,
                 )
             )
-            on_graph(f"forward rows={rows} tokens={tokens} kv_len={kv} logits={outputs}")
+            role = " prefill" if prefill else ""
+            on_graph(f"forward{role} rows={rows} tokens={tokens} kv_len={kv} logits={outputs}")
             count += 1
         return count
 
-    def _warmup_shapes(self) -> list[tuple[int, int, int, int]]:
-        """(rows, tokens, kv_len, logits rows) of every pass to run at warm-up."""
+    def _warmup_shapes(self) -> list[tuple[int, int, int, int, bool]]:
+        """(rows, tokens, kv_len, logits rows, prefill) of every pass to run at warm-up."""
+        roles = [False, True] if "prefill_logits" in self._functions else [False]
         if self.bucketed:
             shapes = forward_shapes(self.batch_buckets, self.token_buckets, self.seq_buckets)
-            out = [(n, t, kv, n) for n, t, kv in shapes]
+            out = [(n, t, kv, n, role) for role in roles for n, t, kv in shapes]
             if self.verify_width > 1:  # verification passes: every multi-token bucket, wide
-                out += [(n, t, kv, n * self.verify_width) for n, t, kv in shapes if t > 1]
+                out += [(n, t, kv, n * self.verify_width, False) for n, t, kv in shapes if t > 1]
             return out
         # Both ends of every symbolic range: the graphs must cover them without recompiling.
         small, big = max(2, KV_ALIGN), self.max_seq
         rows = max(2, self.max_rows)
-        passes = [
-            (2, 1, small, 2),
-            (rows, 1, big, rows),
-            (2, 2, small, 2),
-            (rows, min(64, big), big, max(2, rows * self.verify_width)),
-        ]
-        if self.flat_tokens > rows:  # the wide graph: flat passes of more than `rows` tokens
-            passes += [(rows + 1, 1, small, 2), (self.flat_tokens, 1, big, 2)]
+        logits = max(2, rows * self.verify_width)
+        passes = []
+        for prefill in roles:
+            outputs = rows if prefill else logits
+            passes += [(2, 1, small, 2, prefill), (self.flat_rows, 1, big, outputs, prefill)]
+            if not self.chunked:  # else every multi-token pass runs flat
+                passes += [(2, 2, small, 2, prefill), (rows, min(64, big), big, outputs, prefill)]
         return passes
 
 
@@ -292,7 +341,7 @@ def _split_row(p: Pass) -> Pass:
     tokens[1, : t - h] = p.tokens[0, h:]
     positions[1, : t - h] = p.positions[0, h:]
     # A flat index `k` into [1, t] is the same flat index `k` into [2, h]: `last` is unchanged.
-    return Pass(tokens, positions, np.repeat(p.slots[:1], 2), p.last, p.kv_len)
+    return Pass(tokens, positions, np.repeat(p.slots[:1], 2), p.last, p.kv_len, p.prefill)
 
 
 def _flatten(p: Pass) -> Pass:
@@ -310,15 +359,40 @@ def _flatten(p: Pass) -> Pass:
             np.append(positions, -1),
             np.append(slots, p.slots[-1]),
         )
-    return Pass(tokens.reshape(-1, 1), positions.reshape(-1, 1), slots, row_of[p.last], p.kv_len)
+    return Pass(
+        tokens.reshape(-1, 1),
+        positions.reshape(-1, 1),
+        slots,
+        row_of[p.last],
+        p.kv_len,
+        p.prefill,
+    )
 
 
-def graph_kind(p: Pass, max_rows: int) -> str:
-    """Which dynamic graph runs `p` (module docstring): "decode", "wide" or "multi"."""
-    rows, tokens = p.tokens.shape
-    if tokens > 1:
-        return "multi"
-    return "wide" if rows > max(2, max_rows) else "decode"
+def _chunk(flat: Pass, begin: int, end: int, last: np.ndarray) -> Pass:
+    """Rows [begin, end) of a flat pass, returning the logits of its rows `last` (numbered
+    from `begin`)."""
+    tokens, positions, slots = (
+        flat.tokens[begin:end],
+        flat.positions[begin:end],
+        flat.slots[begin:end],
+    )
+    if len(tokens) < 2:  # a pass has 2 rows at least (module docstring): one padding row
+        tokens = np.append(tokens, [[0]], axis=0)
+        positions = np.append(positions, [[-1]], axis=0)
+        slots = np.append(slots, slots[-1:])
+    padded = np.zeros(max(2, len(last)), dtype=np.int64)
+    padded[: len(last)] = last
+    return Pass(tokens, positions, slots, padded, flat.kv_len, flat.prefill)
+
+
+def graph_kind(p: Pass, prefill: bool = False) -> str:
+    """Which dynamic graph runs `p` (module docstring): "decode" (one token per row) or
+    "multi", each with a "prefill" form where prompts run their own function."""
+    kind = "multi" if p.tokens.shape[1] > 1 else "decode"
+    if not prefill:
+        return kind
+    return "prefill" if kind == "decode" else "prefill_multi"
 
 
 class CompileCounter:

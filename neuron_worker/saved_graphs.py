@@ -6,7 +6,7 @@ dynamo at every start to find them: 6-9 s per forward graph for SmolLM2's 30 lay
 most of a warm start. torch's precompile API (`aot_compile`, experimental in torch 2.13) saves a
 graph with its guards and kernels in one file, which loads without tracing (~2.7 s).
 
-`SavedGraphs` holds one such graph per kind of pass (`graphs.graph_kind`: decode, multi, wide).
+`SavedGraphs` holds one such graph per kind of pass (`graphs.graph_kind`).
 Each is loaded from `<dir>/<kind>-<key>.bin` when that file exists, else compiled at its first
 call (warm-up) and saved there. The key covers everything the graph depends on that its guards do
 not check (they check the inputs only; the model's modules are not guarded): the model's
@@ -23,7 +23,7 @@ import hashlib
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -62,7 +62,8 @@ def _portable_guards(entries: Sequence[Any]) -> list[bool]:
 
 
 class SavedGraphs:
-    """`model.step_logits` compiled once per graph kind, loaded from / saved to `directory`."""
+    """The model's pass functions (`step_logits`, `prefill_logits`) compiled once per graph
+    kind, loaded from / saved to `directory`."""
 
     def __init__(
         self,
@@ -71,37 +72,33 @@ class SavedGraphs:
         *,
         ranges: str,
         mark_dynamic: Callable[[str, tuple[torch.Tensor, ...]], None],
-        fallback: Callable[..., torch.Tensor],
+        fallbacks: Mapping[str, Callable[..., torch.Tensor]],
     ) -> None:
         """`mark_dynamic(kind, args)`: marks the symbolic dimensions of a `kind` pass's inputs
-        (within `ranges`, which is part of the key); `fallback`: the `torch.compile`d step, for
-        inputs that a saved graph's guards refuse."""
+        (within `ranges`, which is part of the key); `fallbacks`: for each pass function's
+        name, its `torch.compile`d form, for inputs that a saved graph's guards refuse."""
         self.model = model
         self.directory = directory
         self._mark_dynamic = mark_dynamic
-        self._fallback = fallback
+        self._fallbacks = dict(fallbacks)
         self._key = graph_key(model, ranges)
         self._graphs: dict[str, Any] = {}  # kind -> AOTCompiledFunction, None: not compilable
         self._refused: set[str] = set()  # kinds whose guards refused a call (logged once)
-        step = cast(Callable[..., torch.Tensor], model.step_logits)
-        self._compile: Any = torch.compile(  # `aot_compile` is not in its type yet
-            step,
-            fullgraph=True,
-            dynamic=None,  # the dimensions the caller marks are symbolic
-            options={"guard_filter_fn": _portable_guards},
-        )
+        self._compilers: dict[str, Any] = {}  # function name -> torch.compile'd, for aot_compile
 
     def path(self, kind: str) -> Path:
+        """`<kind>-<key>.bin` (a kind has no "-": the stale-file glob relies on it)."""
         return self.directory / f"{kind}-{self._key}.bin"
 
-    def __call__(self, kind: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Run the `kind` graph on `args` (not marked dynamic: a loaded graph's guards refuse
-        marked tensors), loading or compiling it at its first call."""
+    def __call__(self, kind: str, function: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Run the `kind` graph of the model's `function` on `args` (not marked dynamic: a
+        loaded graph's guards refuse marked tensors), loading or compiling it at its first
+        call. A kind always names the same function."""
         if kind not in self._graphs:
-            self._graphs[kind] = self._load(kind) or self._compile_and_save(kind, args)
+            self._graphs[kind] = self._load(kind) or self._compile_and_save(kind, function, args)
         graph = self._graphs[kind]
         if graph is None:  # it could not be compiled this way
-            return self._run_fallback(kind, args)
+            return self._run_fallback(kind, function, args)
         if not graph.guard_check(self.model, *args):
             if kind not in self._refused:
                 self._refused.add(kind)
@@ -110,12 +107,14 @@ class SavedGraphs:
                     kind,
                     _why(graph, self.model, *args),
                 )
-            return self._run_fallback(kind, args)
+            return self._run_fallback(kind, function, args)
         return cast(torch.Tensor, graph(self.model, *args))
 
-    def _run_fallback(self, kind: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _run_fallback(
+        self, kind: str, function: str, args: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor:
         self._mark_dynamic(kind, args)
-        return self._fallback(*args)
+        return self._fallbacks[function](*args)
 
     def _load(self, kind: str) -> Any | None:
         path = self.path(kind)
@@ -133,11 +132,18 @@ class SavedGraphs:
         _count("loaded")
         return graph
 
-    def _compile_and_save(self, kind: str, args: tuple[torch.Tensor, ...]) -> Any:
+    def _compile_and_save(self, kind: str, function: str, args: tuple[torch.Tensor, ...]) -> Any:
         example = tuple(a.clone() for a in args)  # marked for the compile only
         self._mark_dynamic(kind, example)
+        if function not in self._compilers:
+            self._compilers[function] = torch.compile(  # `aot_compile` is not in its type yet
+                cast(Callable[..., torch.Tensor], getattr(self.model, function)),
+                fullgraph=True,
+                dynamic=None,  # the dimensions the caller marks are symbolic
+                options={"guard_filter_fn": _portable_guards},
+            )
         try:
-            graph = self._compile.aot_compile((example, {}))
+            graph = self._compilers[function].aot_compile((example, {}))
         except Exception as e:  # an experimental API: serve with torch.compile instead
             log.warning("graph %s cannot be precompiled (%s): compiling it each start", kind, e)
             return None

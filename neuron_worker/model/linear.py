@@ -3,10 +3,11 @@
 A decode step reads every weight once for a handful of tokens, so on a CPU its time is the weight
 bytes over the memory bandwidth: 4-bit weights are read 4x faster than bf16 ones. Prefill is the
 opposite (hundreds of tokens per weight read: compute-bound), where dequantizing kernels lose to
-bf16 matrix engines (AMX, through oneDNN). So a `ServingLinear` keeps both forms: the quantized
-weight for decode passes (one token per row, at most `small_rows` rows) and the dense one for the
-rest. The choice depends on the input's shape only: the token dimension is static (1) in a decode
-graph and at least 2 in a multi-token one, so compiled graphs never guard on it.
+bf16 matrix engines (AMX, through oneDNN). So a `ServingLinear` keeps both forms, and the pass's
+role picks one: `project(layer, x, quantized=True)` for the tokens a request generates (decode,
+jump-forward, draft verification), the dense weight for prompts. The role, not the pass's size,
+decides, so a token gets the same weights (and the same logits, bit for bit) whatever else shares
+its pass: greedy output does not depend on how requests happen to be batched.
 
 Dense bf16 weights are prepacked once into oneDNN's blocked layout (what inductor's freezing would
 do, which it cannot cache: a frozen graph is recompiled at every start). The packed weight stays
@@ -120,7 +121,8 @@ def _aten_int4(source: Int4Weight, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 
 
 class ServingLinear(nn.Module):
-    """A linear layer (optional bias) with the fastest kernel per pass size (module docstring)."""
+    """A linear layer (optional bias) with a dense and, with `quantize`, a weight-only quantized
+    form (module docstring)."""
 
     weight: Tensor
     bias: Tensor | None
@@ -134,7 +136,6 @@ class ServingLinear(nn.Module):
         bias: Tensor | None,
         *,
         quantize: str = "none",
-        small_rows: int = 0,
         int4: Int4Weight | None = None,
         pack: bool = True,
     ) -> None:
@@ -142,7 +143,6 @@ class ServingLinear(nn.Module):
         if quantize not in QUANTIZE_SCHEMES:
             raise ValueError(f"unknown quantization {quantize!r}")
         self.quantize = quantize
-        self.small_rows = small_rows if quantize != "none" else 0
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
@@ -169,13 +169,7 @@ class ServingLinear(nn.Module):
             self.register_buffer("q_scales", scales.to(weight.dtype), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        """x: [B, T, in_features] (or [N, in_features])."""
-        if self.small_rows and x.dim() == 3 and x.shape[1] == 1 and x.shape[0] <= self.small_rows:
-            rows = x.shape[0]
-            y = self._quantized(x.reshape(rows, self.in_features))
-            if self.bias is not None:
-                y = y + self.bias
-            return y.reshape(rows, 1, self.out_features)
+        """The dense weight. x: [..., in_features]."""
         if self.handle is not None:
             if torch.compiler.is_compiling():
                 y = packed_linear(x, self.handle, self.out_features)
@@ -186,6 +180,16 @@ class ServingLinear(nn.Module):
             return y if self.bias is None else y + self.bias
         return nn.functional.linear(x, self.weight, self.bias)
 
+    def quantized(self, x: Tensor) -> Tensor:
+        """The weight-only quantized weight (the dense one without `quantize`). Every row's
+        result is independent of how many rows `x` has. x: [..., in_features]."""
+        if self.quantize == "none":
+            return self(x)
+        y = self._quantized(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
     def _quantized(self, x: Tensor) -> Tensor:
         if self.int4_kernel:
             return kernels.int4_matmul(x, self.q_weight, self.q_scales)
@@ -194,3 +198,12 @@ class ServingLinear(nn.Module):
                 x, self.q_weight, GROUP, self.q_scales
             )
         return torch.ops.aten._weight_int8pack_mm(x, self.q_weight, self.q_scales)
+
+
+def project(layer: nn.Module, x: Tensor, quantized: bool) -> Tensor:
+    """`layer(x)`, through its weight-only quantized form when `quantized` and it has one: how the
+    model calls its projections, so that the pass's role picks the weights (module docstring)."""
+    if quantized and isinstance(layer, ServingLinear):
+        return layer.quantized(x)
+    out: Tensor = layer(x)
+    return out

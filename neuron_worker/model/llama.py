@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from neuron_worker import kernels
 from neuron_worker.model.config import ModelConfig
-from neuron_worker.model.linear import Int4Weight, ServingLinear
+from neuron_worker.model.linear import Int4Weight, ServingLinear, project
 
 
 class RMSNorm(nn.Module):
@@ -115,12 +115,15 @@ class Attention(nn.Module):
         write_pos: Tensor,
         cache_slots: Tensor | None,
         kv_len: int,
+        quantized: bool = False,
     ) -> Tensor:
         assert self.kv_cache is not None, "call setup_caches() first"
         b, t, _ = x.shape
         kvh, hd = self.n_kv_heads, self.head_dim
         group = self.n_heads // kvh
-        q, k, v = self.wqkv(x).split([self.n_heads * hd, kvh * hd, kvh * hd], dim=-1)
+        q, k, v = project(self.wqkv, x, quantized).split(
+            [self.n_heads * hd, kvh * hd, kvh * hd], dim=-1
+        )
         q = apply_rope(q.view(b, t, self.n_heads, hd), cos, sin)
         k = apply_rope(k.view(b, t, kvh, hd), cos, sin)
         self.kv_cache.update(write_slots, write_pos, k, v.view(b, t, kvh, hd))
@@ -140,7 +143,7 @@ class Attention(nn.Module):
         else:
             y = self._sdpa(q, mask, cache_slots, b, kv_len)
         y = y.view(b, kvh, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, self.n_heads * hd)
-        return self.reduce(self.wo(y))
+        return self.reduce(project(self.wo, y, quantized))
 
     def _sdpa(
         self, q: Tensor, mask: Tensor, cache_slots: Tensor | None, b: int, kv_len: int
@@ -165,9 +168,9 @@ class FeedForward(nn.Module):
         self.w2: nn.Module = nn.Linear(config.ffn_dim, config.dim, bias=False)
         self.reduce: Callable[[Tensor], Tensor] = _identity  # as `Attention.reduce`, for `w2`
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
-        return self.reduce(self.w2(F.silu(gate) * up))
+    def forward(self, x: Tensor, quantized: bool = False) -> Tensor:
+        gate, up = project(self.w13, x, quantized).split(self.ffn_dim, dim=-1)
+        return self.reduce(project(self.w2, F.silu(gate) * up, quantized))
 
 
 class TransformerBlock(nn.Module):
@@ -188,11 +191,21 @@ class TransformerBlock(nn.Module):
         write_pos: Tensor,
         cache_slots: Tensor | None,
         kv_len: int,
+        quantized: bool = False,
     ) -> Tensor:
+        """`quantized`: the projections' weight-only quantized form (`linear.project`)."""
         h = x + self.attention(
-            self.attention_norm(x), cos, sin, mask, write_slots, write_pos, cache_slots, kv_len
+            self.attention_norm(x),
+            cos,
+            sin,
+            mask,
+            write_slots,
+            write_pos,
+            cache_slots,
+            kv_len,
+            quantized,
         )
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + self.feed_forward(self.ffn_norm(h), quantized)
 
 
 def _run_block(layer: nn.Module, *args: Any) -> Tensor:
@@ -271,14 +284,14 @@ class Transformer(nn.Module):
     def use_serving_linears(
         self,
         quantize: str = "none",
-        small_rows: int = 0,
         sources: Mapping[str, Int4Weight] | None = None,
     ) -> None:
         """Swap every projection and the LM head for `ServingLinear`s
         (`neuron_worker.model.linear`): oneDNN-prepacked bf16 weights on CPU, and with
-        `quantize` a weight-only kernel for passes of at most `small_rows` rows (the layers, not
-        the head); and bf16 decode passes attend through `neuron_worker.kernels` where built. `sources`: canonical per-tensor int4 weights to use as they are (a Q4_1
-        GGUF's own), else each is quantized from its floats."""
+        `quantize` a weight-only form that `step_logits` uses (the layers, not the head); and
+        bf16 passes of one token per row attend through `neuron_worker.kernels` where built.
+        `sources`: canonical per-tensor int4 weights to use as they are (a Q4_1 GGUF's own),
+        else each is quantized from its floats."""
         src = sources or {}
         weight = self.tok_embeddings.weight
         decode_kernel = (
@@ -296,9 +309,7 @@ class Transformer(nn.Module):
 
         def serving(lin: nn.Module, exact: Int4Weight | None, q: str) -> ServingLinear:
             assert isinstance(lin, nn.Linear | ServingLinear)
-            return ServingLinear(
-                lin.weight.detach(), lin.bias, quantize=q, small_rows=small_rows, int4=exact
-            )
+            return ServingLinear(lin.weight.detach(), lin.bias, quantize=q, int4=exact)
 
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, TransformerBlock)
@@ -353,9 +364,15 @@ class Transformer(nn.Module):
         return torch.arange(kv_len, device=self.tok_embeddings.weight.device)
 
     def hidden(
-        self, tokens: Tensor, input_pos: Tensor, cache_slots: Tensor | None, kv_positions: Tensor
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        cache_slots: Tensor | None,
+        kv_positions: Tensor,
+        quantized: bool = False,
     ) -> Tensor:
-        """`forward` with the KV length given as `kv_positions` (see `kv_positions`)."""
+        """`forward` with the KV length given as `kv_positions` (see `kv_positions`);
+        `quantized`: the projections' weight-only quantized form where they have one."""
         b, t = tokens.shape
         kv_len = kv_positions.shape[0]
         if cache_slots is None and b > self.max_batch:
@@ -375,7 +392,7 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = self._run_block(
-                layer, x, cos, sin, mask, write_slots, write_pos, cache_slots, kv_len
+                layer, x, cos, sin, mask, write_slots, write_pos, cache_slots, kv_len, quantized
             )
         return self.norm(x)
 
@@ -394,14 +411,48 @@ class Transformer(nn.Module):
         kv_positions: Tensor,
         last: Tensor,
     ) -> Tensor:
-        """One pass and float32 logits [N, vocab_size] for the tokens `last` [N] names: the
-        graph the engine runs (and compiles) for every forward pass. With one token per row,
-        `last` holds rows (a decode pass names each row; a flat pass of many tokens, the few
-        whose logits are wanted, so the LM head runs for those only); with several, flat
-        indices `row * T + column` (a row's last token, or every draft position of a
-        speculative verification)."""
-        h = self.hidden(tokens, input_pos, cache_slots, kv_positions)
+        """One pass over tokens the requests generated (decode, jump-forward, draft
+        verification), through the weight-only quantized projections where the model has them,
+        and float32 logits [N, vocab_size] for the tokens `last` [N] names: the graph the
+        engine runs (and compiles) for those passes. With one token per row, `last` holds rows
+        (a decode pass names each row; a flat pass of many tokens, the few whose logits are
+        wanted, so the LM head runs for those only); with several, flat indices `row * T +
+        column` (a row's last token, or every draft position of a speculative verification)."""
+        return self._logits_of(tokens, input_pos, cache_slots, kv_positions, last, True)
+
+    def prefill_logits(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        cache_slots: Tensor,
+        kv_positions: Tensor,
+        last: Tensor,
+    ) -> Tensor:
+        """`step_logits` for a pass over prompts: the dense projections (a prompt's hundreds of
+        tokens per weight read are compute-bound, where the matrix engines win). A pass's role,
+        not its size, picks the weights, so each token's logits are the same whatever shares
+        its pass (`neuron_worker.model.linear`)."""
+        return self._logits_of(tokens, input_pos, cache_slots, kv_positions, last, False)
+
+    def _logits_of(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        cache_slots: Tensor,
+        kv_positions: Tensor,
+        last: Tensor,
+        quantized: bool,
+    ) -> Tensor:
+        h = self.hidden(tokens, input_pos, cache_slots, kv_positions, quantized)
         return self.logits(h.reshape(tokens.shape[0] * tokens.shape[1], h.shape[-1])[last])
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any projection has a weight-only quantized form: then `step_logits` and
+        `prefill_logits` differ (else they are the same function)."""
+        return any(
+            isinstance(mod, ServingLinear) and mod.quantize != "none" for mod in self.modules()
+        )
 
     def logits(self, hidden: Tensor) -> Tensor:
         """[N, dim] -> [N, vocab_size] float32 (LM head)."""

@@ -51,13 +51,12 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     serving: bool = False,
     quantize: str = "none",
-    quantize_rows: int = 0,
 ) -> Transformer:
     """SPEC: 'default' (embedded SmolLM2 GGUF), a .gguf path, or a HF checkpoint dir.
 
     `serving`: the worker's linear kernels (`Transformer.use_serving_linears`: prepacked bf16
-    on CPU; with `quantize`, weight-only kernels for passes of at most `quantize_rows` rows; a
-    Q4_1 GGUF's int4 weights are used exactly as stored). Off: plain `nn.Linear`s, the
+    on CPU; with `quantize`, weight-only kernels for the passes over generated tokens; a Q4_1
+    GGUF's int4 weights are used exactly as stored). Off: plain `nn.Linear`s, the
     reference the tests compare with transformers."""
     config, weights = read_checkpoint(spec)
     model = build_model(config, weights, device=device, dtype=dtype)
@@ -67,7 +66,7 @@ def load_model(
             path = resolve_spec(spec)
             if path.suffix == ".gguf":
                 sources = gguf_int4_weights(path, config)
-        model.use_serving_linears(quantize, quantize_rows, sources)
+        model.use_serving_linears(quantize, sources)
     return model
 
 

@@ -97,15 +97,16 @@ def test_pack_int4_needs_blocks_of_16_outputs_and_32_inputs() -> None:
 
 
 @needs_kernel
-def test_serving_linears_take_the_kernel_for_decode_passes() -> None:
+def test_serving_linears_take_the_kernel_for_generated_tokens() -> None:
     w = (torch.randn(96, 64) * 0.2).bfloat16()
-    layer = ServingLinear(w, None, quantize="int4", small_rows=8)
+    layer = ServingLinear(w, None, quantize="int4")
     assert layer.int4_kernel
     x = torch.randn(6, 1, 64).bfloat16()
     want = exact(x.reshape(6, 64), Int4Weight.from_float(w))
-    torch.testing.assert_close(layer(x).reshape(6, 96).double(), want, rtol=2**-8, atol=1e-3)
+    got = layer.quantized(x).reshape(6, 96).double()
+    torch.testing.assert_close(got, want, rtol=2**-8, atol=1e-3)
     # fp32 activations: aten's kernel
-    assert not ServingLinear(w.float(), None, quantize="int4", small_rows=8).int4_kernel
+    assert not ServingLinear(w.float(), None, quantize="int4").int4_kernel
 
 
 def reference_attention(
@@ -174,7 +175,7 @@ def test_without_a_working_compiler_the_worker_falls_back_to_aten(
     if "lacks" not in caplog.text:  # on a CPU without VNNI the flags decide first
         assert "could not build them" in caplog.text and "aten" in caplog.text
     w = (torch.randn(32, 64) * 0.2).bfloat16()
-    assert not ServingLinear(w, None, quantize="int4", small_rows=4).int4_kernel
+    assert not ServingLinear(w, None, quantize="int4").int4_kernel
 
 
 def test_a_read_only_kernel_directory_builds_in_a_temporary_one(

@@ -10,7 +10,7 @@ from torch import nn
 from maskwire.tokenizer import resolve_spec
 from neuron_worker.model import build_model
 from neuron_worker.model.gguf_loader import gguf_int4_weights, load_gguf
-from neuron_worker.model.linear import GROUP, Int4Weight, ServingLinear, can_pack
+from neuron_worker.model.linear import GROUP, Int4Weight, ServingLinear, can_pack, project
 from tests.unit.model.tiny import TINY, random_weights
 
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
@@ -40,23 +40,37 @@ def test_packed_bf16_matches_a_plain_linear() -> None:
 
 
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
-def test_decode_passes_use_the_quantized_weight_and_others_the_dense_one(scheme: str) -> None:
+def test_generated_tokens_take_the_quantized_weight_and_prompts_the_dense_one(scheme: str) -> None:
     w = weight().bfloat16()
-    layer = ServingLinear(w, None, quantize=scheme, small_rows=4)
+    layer = ServingLinear(w, None, quantize=scheme)
     if scheme == "int4":
         quantized = Int4Weight.from_float(w).dequantize().bfloat16()
     else:
         scales = w.float().abs().amax(1, keepdim=True) / 127
         quantized = ((w.float() / scales).round().clamp(-128, 127) * scales).bfloat16()
-    decode = torch.randn(4, 1, 64).bfloat16()  # one token per row, rows <= small_rows
-    torch.testing.assert_close(layer(decode), nn.functional.linear(decode, quantized), **BF16)
-    # a multi-token pass, and a decode pass wider than small_rows: the dense weight
-    for x in (torch.randn(2, 3, 64).bfloat16(), torch.randn(5, 1, 64).bfloat16()):
-        torch.testing.assert_close(layer(x), nn.functional.linear(x, w), **BF16)
-    # the two weights differ, so the checks above tell the paths apart
-    assert not torch.allclose(
-        nn.functional.linear(decode, quantized), nn.functional.linear(decode, w), atol=1e-3
-    )
+    # the role decides, whatever the pass's shape: one token per row, many rows, several tokens
+    for x in (torch.randn(4, 1, 64), torch.randn(40, 1, 64), torch.randn(2, 3, 64)):
+        x = x.bfloat16()
+        want_q, want_dense = nn.functional.linear(x, quantized), nn.functional.linear(x, w)
+        torch.testing.assert_close(project(layer, x, quantized=True), want_q, **BF16)
+        torch.testing.assert_close(project(layer, x, quantized=False), want_dense, **BF16)
+        # the two weights differ, so the checks above tell the paths apart
+        assert not torch.allclose(want_q, want_dense, atol=1e-3)
+    # a plain nn.Linear has one form
+    plain = nn.Linear(64, 96, bias=False)
+    x = torch.randn(3, 1, 64)
+    assert torch.equal(project(plain, x, quantized=True), plain(x))
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_a_rows_quantized_result_does_not_depend_on_the_other_rows(scheme: str) -> None:
+    """What makes greedy output independent of batching: row i of a pass of n rows is bitwise
+    row i of any other pass that holds it."""
+    layer = ServingLinear(weight().bfloat16(), torch.randn(96).bfloat16(), quantize=scheme)
+    x = torch.randn(70, 1, 64).bfloat16()
+    whole = project(layer, x, quantized=True)
+    for n in (1, 2, 5, 8, 9, 16, 33):
+        assert torch.equal(project(layer, x[:n], quantized=True), whole[:n]), n
 
 
 def test_the_embedded_models_int4_weights_are_its_q4_1_tensors_as_stored() -> None:
@@ -79,7 +93,7 @@ def test_a_serving_model_decodes_like_the_reference_model() -> None:
     }
     ref = build_model(TINY, weights)
     fast = build_model(TINY, weights, dtype=torch.bfloat16)
-    fast.use_serving_linears("int4", 4)
+    fast.use_serving_linears("int4")
     tokens = torch.tensor([[5, 7, 9, 11], [3, 2, 1, 0]])
     for m in (ref, fast):
         m.setup_caches(2, 16)

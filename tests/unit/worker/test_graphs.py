@@ -141,6 +141,62 @@ def test_prefills_run_flat_where_attention_reads_the_cache_in_place() -> None:
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_tokens_logits_do_not_depend_on_what_shares_its_pass(compile: bool) -> None:
+    """The serving configuration (bf16, int4 projections, attention in place), where greedy
+    output must not depend on how requests happen to be batched: a prompt's logits are bitwise
+    the same prefilled alone, with another prompt, or with three (in chunks); a generated
+    token's, decoded alone or beside other rows' forced tokens (a pass of 2 to 27 tokens)."""
+    config = tiny_config(dim=64, head_dim=32, vocab_size=128)
+    m = build_model(config, random_weights(config), dtype=torch.bfloat16)
+    m.use_serving_linears("int4")
+    if not m.attends_in_place:
+        pytest.skip("the decode attention kernel is not available on this CPU")
+    assert m.quantized
+    m.setup_caches(16, 64)
+    torch._dynamo.reset()  # compiled graphs skip module guards: none of another model's
+    backend = create_backend("cpu", compile=compile)
+    r = ForwardRunner(m, backend, max_rows=4, max_seq=64, pad_slot=15, flat_tokens=16)
+    assert r.chunked
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, config.vocab_size, n) for n in (11, 3, 17, 6)]
+    forced = [rng.integers(0, config.vocab_size, n) for n in (1, 6, 20)]
+
+    def run(rows: list[tuple[int, np.ndarray, int]], prefill: bool) -> torch.Tensor:
+        """rows: (slot, tokens, first position); the logits of each row's last token."""
+        n, t, kv = r.shape(len(rows), max(len(x) for _, x, _ in rows), 40)
+        tok = np.zeros((n, t), np.int64)
+        pos = np.full((n, t), -1, np.int64)
+        slots = np.full(n, 15, np.int64)
+        last = np.zeros(r.logits_count(n, len(rows), 1), np.int64)
+        for i, (slot, x, start) in enumerate(rows):
+            tok[i, : len(x)] = x
+            pos[i, : len(x)] = np.arange(start, start + len(x))
+            slots[i] = slot
+            last[i] = i * t + len(x) - 1
+        with torch.inference_mode():
+            return r.run(Pass(tok, pos, slots, last, kv, prefill))[: len(rows)]
+
+    a = prompts[0]
+    alone = run([(0, a, 0)], prefill=True)[0]
+    with_one = run([(1, a, 0), (2, prompts[1], 0)], prefill=True)[0]  # 14 tokens: one pass
+    with_three = run([(3 + i, x, 0) for i, x in enumerate(prompts)], prefill=True)[0]  # 37
+    assert torch.equal(with_one, alone) and torch.equal(with_three, alone)
+
+    # The next token of `a` in slots 0, 1 and 3 (the same cache in each).
+    nxt = np.array([int(alone.argmax())])
+    decoded = run([(0, nxt, len(a))], prefill=False)[0]
+    beside_forced = [
+        run([(slot, nxt, len(a)), (6 + i, f, 0)], prefill=False)[0]
+        for i, (slot, f) in enumerate(zip((1, 3, 1), forced, strict=True))
+    ]
+    for got in beside_forced:
+        assert torch.equal(got, decoded)
+    # and the prompts' dense weights are not the generated tokens' 4-bit ones
+    run([(9, a, 0)], prefill=True)
+    assert not torch.equal(run([(9, nxt, len(a))], prefill=True)[0], decoded)
+
+
 def test_dynamic_shapes_pad_to_two_rows_and_align_kv(model: Transformer) -> None:
     r = runner(model, bucketed=False)
     assert r.shape(1, 1, 10) == (2, 1, 64)

@@ -8,18 +8,20 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from neuron_worker import saved_graphs
+from neuron_worker.backends import create_backend
 from neuron_worker.graphs import CompileCounter, ForwardRunner, Pass
 from neuron_worker.model import build_model
-from tests.unit.model.tiny import TINY, random_weights
+from tests.unit.model.tiny import TINY, random_weights, tiny_config
 from tests.unit.worker.test_graphs import serve_random_passes, tiny_runner
 
-KINDS = ("decode", "multi", "wide")  # max_rows 4, flat passes of up to 16 tokens
+KINDS = ("decode", "multi")  # fp32: one function, attention not in place (so no chunks)
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +31,11 @@ def weights() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def saved(weights: dict[str, torch.Tensor], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory holding the three graphs, compiled and saved by a first runner."""
+    """A directory holding the two graphs, compiled and saved by a first runner."""
     directory = tmp_path_factory.mktemp("graphs")
     before = saved_graphs.counts()
     tiny_runner(weights, True, graph_dir=directory).warmup(lambda _: None)
-    assert delta(before) == (0, 3)
+    assert delta(before) == (0, 2)
     assert sorted(p.name.split("-")[0] for p in directory.glob("*.bin")) == sorted(KINDS)
     return directory
 
@@ -52,10 +54,37 @@ def test_the_next_runner_loads_every_graph_and_compiles_nothing(
     counter.ready()  # from here, any graph compiled by torch.compile is counted
     again = tiny_runner(weights, True, graph_dir=saved)
     again.warmup(lambda _: None)
-    assert delta(before) == (3, 0)
+    assert delta(before) == (2, 0)
     serve_random_passes(tiny_runner(weights, False), again)
     counter.check()
     assert counter.after_ready == 0
+
+
+def test_a_quantized_model_saves_a_graph_per_role_and_no_grid_where_attention_is_in_place(
+    tmp_path: Path,
+) -> None:
+    """bf16 with int4 projections, attention in place: prompts and generated tokens each have
+    their one-token-per-row graph (`prefill`, `decode`); passes too large to run flat run in
+    chunks, so `multi` is never compiled. A second runner loads both."""
+    config = tiny_config(dim=64, head_dim=32, vocab_size=128)
+    m = build_model(config, random_weights(config), dtype=torch.bfloat16)
+    m.use_serving_linears("int4")
+    if not m.attends_in_place:
+        pytest.skip("the decode attention kernel is not available on this CPU")
+    m.setup_caches(5, 64)
+
+    def runner() -> ForwardRunner:
+        backend = create_backend("cpu", compile=True)
+        kw: dict[str, Any] = {"max_rows": 4, "max_seq": 64, "pad_slot": 4, "flat_tokens": 16}
+        return ForwardRunner(m, backend, graph_dir=tmp_path, **kw)
+
+    before = saved_graphs.counts()
+    runner().warmup(lambda _: None)
+    assert delta(before) == (0, 2)
+    assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*.bin")) == ["decode", "prefill"]
+    before = saved_graphs.counts()
+    runner().warmup(lambda _: None)
+    assert delta(before) == (2, 0)
 
 
 def test_a_damaged_file_is_compiled_again(
@@ -69,7 +98,7 @@ def test_a_damaged_file_is_compiled_again(
     runner = tiny_runner(weights, True, graph_dir=tmp_path)
     with caplog.at_level(logging.WARNING, logger="neuron_worker.saved_graphs"):
         runner.warmup(lambda _: None)
-    assert delta(before) == (2, 1)
+    assert delta(before) == (1, 1)
     assert f"saved graph {damaged} does not load" in caplog.text
     assert damaged.stat().st_size > 1000  # saved again, whole
     serve_random_passes(tiny_runner(weights, False), runner)
@@ -99,7 +128,7 @@ def test_a_graph_that_cannot_be_precompiled_runs_on_torch_compile(
     def refuse(_: object) -> None:
         raise RuntimeError("MODULE_MATCH guard cannot be serialized")
 
-    runner._saved._compile = SimpleNamespace(aot_compile=refuse)
+    runner._saved._compilers["step_logits"] = SimpleNamespace(aot_compile=refuse)
     decode = Pass(
         np.array([[5], [7]]), np.array([[0], [0]]), np.array([0, 1]), np.array([0, 1]), 64
     )
@@ -129,8 +158,8 @@ def test_inputs_the_saved_guards_refuse_run_on_a_compiled_graph(
             torch.arange(64),
             torch.zeros(3, dtype=torch.int64),
         )
-        got = graphs("decode", args)
-        graphs("decode", args)
+        got = graphs("decode", "step_logits", args)
+        graphs("decode", "step_logits", args)
         four_rows = (
             torch.zeros(4, 1, dtype=torch.int32),
             torch.tensor([[1], [-1], [-1], [-1]]),
@@ -138,7 +167,7 @@ def test_inputs_the_saved_guards_refuse_run_on_a_compiled_graph(
             torch.arange(64),
             torch.zeros(4, dtype=torch.int64),
         )
-        graphs("decode", four_rows)
+        graphs("decode", "step_logits", four_rows)
     counter.check()
     # compiled once for them, by torch.compile, with the rows symbolic as in the saved graph
     assert counter.after_ready == 1
