@@ -75,7 +75,7 @@ def decode_pass(rows: int) -> Pass:
         np.full((rows, 1), 7, np.int64),
         np.full((rows, 1), KV - 1, np.int64),
         np.arange(rows, dtype=np.int64) % MAX_ROWS,  # a flat pass: several tokens per slot
-        np.arange(rows, dtype=np.int64),
+        np.arange(min(rows, MAX_ROWS), dtype=np.int64),  # a flat pass: a logits row per slot
         KV,
     )
 

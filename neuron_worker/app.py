@@ -105,8 +105,8 @@ def ranges_dir(cache: Path | None, args: argparse.Namespace) -> Path | None:
 
 def verify_pass_tokens(args: argparse.Namespace) -> int:
     """`--verify-pass-tokens`, with its default resolved: on a CPU, the max batch size (a
-    verification pass then runs flat through the decode graph, whose 4-bit kernels cost per
-    4 rows: more drafts than that cost more than they save); elsewhere no limit."""
+    verification pass runs flat through the 4-bit kernel, which reads the weights once per 8
+    rows: at c8, more drafts than that cost more than they save); elsewhere no limit."""
     if args.verify_pass_tokens >= 0:
         return int(args.verify_pass_tokens)
     return int(args.max_batch_size) if args.device == "cpu" else 0

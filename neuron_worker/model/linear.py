@@ -55,6 +55,19 @@ def _packed_linear_shape(x: Tensor, handle: Tensor, out_features: int) -> Tensor
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+@torch.library.custom_op("maskwire::aten_int4_mm", mutates_args=())
+def aten_int4_mm(x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
+    """aten's int4 matmul (`x` [M, in] bf16) behind an op inductor does not lower: its lowering
+    for a symbolic M that may exceed a few rows passes the group size as a tensor, which the
+    kernel refuses at run time (torch 2.13)."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales)
+
+
+@aten_int4_mm.register_fake
+def _aten_int4_mm_shape(x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], scales.shape[1])
+
+
 def own_int4_kernel(weight: Tensor) -> bool:
     """Whether an int4 layer runs `neuron_worker.kernels` (one read of the weights for up to 8
     rows) rather than aten's kernel (blocks of 4 rows): bf16 on a CPU where it is built."""
@@ -194,9 +207,7 @@ class ServingLinear(nn.Module):
         if self.int4_kernel:
             return kernels.int4_matmul(x, self.q_weight, self.q_scales)
         if self.quantize == "int4":
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x, self.q_weight, GROUP, self.q_scales
-            )
+            return aten_int4_mm(x, self.q_weight, self.q_scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.q_weight, self.q_scales)
 
 

@@ -3,15 +3,20 @@ passes, and int4 weights taken exactly from the embedded model's Q4_1 GGUF."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from maskwire.tokenizer import resolve_spec
-from neuron_worker.model import build_model
+from neuron_worker.backends import create_backend
+from neuron_worker.graphs import ForwardRunner, Pass
+from neuron_worker.model import build_model, linear
 from neuron_worker.model.gguf_loader import gguf_int4_weights, load_gguf
 from neuron_worker.model.linear import GROUP, Int4Weight, ServingLinear, can_pack, project
-from tests.unit.model.tiny import TINY, random_weights
+from tests.unit.model.tiny import TINY, random_weights, tiny_config
 
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
 
@@ -71,6 +76,34 @@ def test_a_rows_quantized_result_does_not_depend_on_the_other_rows(scheme: str) 
     whole = project(layer, x, quantized=True)
     for n in (1, 2, 5, 8, 9, 16, 33):
         assert torch.equal(project(layer, x[:n], quantized=True), whole[:n]), n
+
+
+def test_aten_int4_runs_in_a_compiled_graph_of_many_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the worker's kernel, int4 layers run aten's op, behind a custom op: inductor's own
+    lowering of it inside the per-layer compile region hands the group size over as a tensor,
+    which the op refuses at run time ("group size must be a scalar", torch 2.13)."""
+    monkeypatch.setattr(linear, "own_int4_kernel", lambda _: False)
+    config = tiny_config(dim=64, head_dim=32, vocab_size=128)
+    m = build_model(config, random_weights(config), dtype=torch.bfloat16)
+    m.use_serving_linears("int4")
+    m.setup_caches(5, 64)
+    torch._dynamo.reset()
+    kw: dict[str, Any] = {"max_rows": 4, "max_seq": 64, "pad_slot": 4, "flat_tokens": 16}
+    compiled = ForwardRunner(m, create_backend("cpu", compile=True), **kw)
+    eager = ForwardRunner(m, create_backend("cpu"), **kw)
+    n = 12  # a flat pass of generated tokens: more rows than a batch
+    p = Pass(
+        np.arange(n).reshape(-1, 1) % config.vocab_size,
+        np.arange(n).reshape(-1, 1),
+        np.zeros(n, np.int64),
+        np.array([n - 1, 5]),
+        64,
+    )
+    with torch.inference_mode():
+        got, want = compiled.run(p), eager.run(p)
+    # bf16: inductor's fused norms round differently from eager ones
+    torch.testing.assert_close(got, want, rtol=0, atol=0.05 * float(want.abs().max()))
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_the_embedded_models_int4_weights_are_its_q4_1_tensors_as_stored() -> None:
