@@ -9,6 +9,7 @@ import pytest
 
 from neuron_worker.app import draft_config, engine_config, ranges_dir
 from neuron_worker.cli import add_arguments
+from neuron_worker.graphs import GRAPH_LAYOUT
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -61,4 +62,6 @@ def test_compile_cache_is_split_by_symbolic_ranges(tmp_path: Path) -> None:
     flat = ranges_dir(tmp_path, parse("--flat-pass-tokens", "64"))
     assert plain is not None and plain.parent == tmp_path
     assert len({plain, spec, wider, flat}) == 4
+    # and by the graphs' layout: the same flags compile other ranges after an upgrade
+    assert plain.name.endswith(f"-layout{GRAPH_LAYOUT}")
     assert ranges_dir(None, parse()) is None
