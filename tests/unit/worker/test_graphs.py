@@ -141,6 +141,41 @@ def test_prefills_run_flat_where_attention_reads_the_cache_in_place() -> None:
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_a_pass_over_the_flat_limit_runs_in_chunks_with_the_same_logits() -> None:
+    """Where attention reads the cache in place, a pass of more real tokens than `flat_tokens`
+    runs as consecutive flat chunks: a verification pass (every position's logits, rows split
+    across chunk boundaries) returns what one flat pass returns, in the same order."""
+    config = tiny_config(dim=64, head_dim=32, vocab_size=128)
+    m = build_model(config, random_weights(config), dtype=torch.bfloat16)
+    m.use_serving_linears("none")
+    if not m.attends_in_place:
+        pytest.skip("the decode attention kernel is not available on this CPU")
+    m.setup_caches(8, 64)
+    kw: dict[str, Any] = {"max_rows": 4, "max_seq": 64, "pad_slot": 7, "verify_width": 8}
+    chunked = ForwardRunner(m, create_backend("cpu"), flat_tokens=4, **kw)
+    whole = ForwardRunner(m, create_backend("cpu"), **kw)
+    assert chunked.chunked and chunked.flat_tokens == 4
+    rng = np.random.default_rng(4)
+    rows = [rng.integers(0, config.vocab_size, n) for n in (3, 7, 1)]
+
+    def run(r: ForwardRunner, slots: list[int]) -> torch.Tensor:
+        n, t, kv = r.shape(3, 7, 7)
+        tok = np.zeros((n, t), np.int64)
+        pos = np.full((n, t), -1, np.int64)
+        last = []
+        for i, x in enumerate(rows):
+            tok[i, : len(x)] = x
+            pos[i, : len(x)] = np.arange(len(x))
+            last += [i * t + j for j in range(len(x))]
+        last.reverse()  # any order: the logits come back in `last`'s
+        with torch.inference_mode():
+            return r.run(Pass(tok, pos, np.array(slots, np.int64), np.array(last, np.int64), kv))
+
+    got, want = run(chunked, [0, 1, 2]), run(whole, [3, 4, 5])
+    assert got.shape == want.shape == (11, config.vocab_size)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_a_tokens_logits_do_not_depend_on_what_shares_its_pass(compile: bool) -> None:
     """The serving configuration (bf16, int4 projections, attention in place), where greedy
