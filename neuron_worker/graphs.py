@@ -226,8 +226,8 @@ class ForwardRunner:
 
     def _run_graph(self, q: Pass) -> Tensor:
         backend = self.backend
-        function = "prefill_logits" if q.prefill and "prefill_logits" in self._functions else None
-        function = function or "step_logits"
+        prefill = q.prefill and "prefill_logits" in self._functions
+        function = "prefill_logits" if prefill else "step_logits"
         with backend.inference_mode():
             args = (
                 backend.to_device(torch.from_numpy(q.tokens)),
@@ -236,7 +236,7 @@ class ForwardRunner:
                 self._kv_positions(q.kv_len),
                 backend.to_device(torch.from_numpy(q.last)),
             )
-            kind = graph_kind(q, prefill=function == "prefill_logits")
+            kind = graph_kind(q, prefill)
             if self._saved is not None:
                 logits = self._saved(kind, function, args)
             else:
@@ -350,40 +350,31 @@ def _flatten(p: Pass) -> Pass:
     real = np.flatnonzero(p.positions.reshape(-1) >= 0)
     row_of = np.zeros(p.tokens.size, dtype=np.int64)
     row_of[real] = np.arange(len(real))
-    tokens = p.tokens.reshape(-1)[real]
-    positions = p.positions.reshape(-1)[real]
     slots = np.repeat(p.slots, p.tokens.shape[1])[real]
-    if len(real) < 2:  # a pass has 2 rows at least (module docstring): one padding row
-        tokens, positions, slots = (
-            np.append(tokens, 0),
-            np.append(positions, -1),
-            np.append(slots, p.slots[-1]),
-        )
-    return Pass(
-        tokens.reshape(-1, 1),
-        positions.reshape(-1, 1),
-        slots,
-        row_of[p.last],
-        p.kv_len,
-        p.prefill,
-    )
+    rows = p.tokens.reshape(-1)[real], p.positions.reshape(-1)[real], slots
+    return _one_token_rows(*rows, row_of[p.last], p)
 
 
 def _chunk(flat: Pass, begin: int, end: int, last: np.ndarray) -> Pass:
     """Rows [begin, end) of a flat pass, returning the logits of its rows `last` (numbered
     from `begin`)."""
-    tokens, positions, slots = (
-        flat.tokens[begin:end],
-        flat.positions[begin:end],
-        flat.slots[begin:end],
-    )
-    if len(tokens) < 2:  # a pass has 2 rows at least (module docstring): one padding row
-        tokens = np.append(tokens, [[0]], axis=0)
-        positions = np.append(positions, [[-1]], axis=0)
-        slots = np.append(slots, slots[-1:])
     padded = np.zeros(max(2, len(last)), dtype=np.int64)
     padded[: len(last)] = last
-    return Pass(tokens, positions, slots, padded, flat.kv_len, flat.prefill)
+    rows = flat.tokens[begin:end, 0], flat.positions[begin:end, 0], flat.slots[begin:end]
+    return _one_token_rows(*rows, padded, flat)
+
+
+def _one_token_rows(
+    tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, last: np.ndarray, like: Pass
+) -> Pass:
+    """A flat pass of these rows (1-D), with `like`'s KV length and role; fewer than 2 rows get a
+    padding row (a pass has 2 rows at least: module docstring)."""
+    if len(tokens) < 2:
+        tokens, positions = np.append(tokens, 0), np.append(positions, -1)
+        slots = np.append(slots, like.slots[-1])
+    return Pass(
+        tokens.reshape(-1, 1), positions.reshape(-1, 1), slots, last, like.kv_len, like.prefill
+    )
 
 
 def graph_kind(p: Pass, prefill: bool = False) -> str:

@@ -434,6 +434,9 @@ class Transformer(nn.Module):
         its pass (`neuron_worker.model.linear`)."""
         return self._logits_of(tokens, input_pos, cache_slots, kv_positions, last, False)
 
+    # `step_logits` and `prefill_logits` are two methods, not one with a flag: torch.compile keeps
+    # its graphs per code object, and the worker compiles without guards on the model, so one
+    # method would let a graph of one role serve passes of the other.
     def _logits_of(
         self,
         tokens: Tensor,
