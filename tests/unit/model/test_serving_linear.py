@@ -16,7 +16,7 @@ from neuron_worker.graphs import ForwardRunner, Pass
 from neuron_worker.model import build_model, linear
 from neuron_worker.model.gguf_loader import gguf_int4_weights, load_gguf
 from neuron_worker.model.linear import GROUP, Int4Weight, ServingLinear, can_pack, project
-from tests.unit.model.tiny import TINY, random_weights, tiny_config
+from tests.unit.model.tiny import SERVING, TINY, random_weights, serving_tiny
 
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
 
@@ -83,9 +83,8 @@ def test_aten_int4_runs_in_a_compiled_graph_of_many_rows(monkeypatch: pytest.Mon
     lowering of it inside the per-layer compile region hands the group size over as a tensor,
     which the op refuses at run time ("group size must be a scalar", torch 2.13)."""
     monkeypatch.setattr(linear, "own_int4_kernel", lambda _: False)
-    config = tiny_config(dim=64, head_dim=32, vocab_size=128)
-    m = build_model(config, random_weights(config), dtype=torch.bfloat16)
-    m.use_serving_linears("int4")
+    config = SERVING
+    m = serving_tiny("int4", in_place=False)
     m.setup_caches(5, 64)
     torch._dynamo.reset()
     kw: dict[str, Any] = {"max_rows": 4, "max_seq": 64, "pad_slot": 4, "flat_tokens": 16}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from torch import Tensor
 
@@ -27,6 +28,20 @@ TINY = ModelConfig(
 
 def tiny_config(**changes: object) -> ModelConfig:
     return dataclasses.replace(TINY, **changes)  # type: ignore[arg-type]
+
+
+# Sizes the worker's CPU kernels take (head size a multiple of 16, groups of 32 inputs).
+SERVING = tiny_config(dim=64, head_dim=32, vocab_size=128)
+
+
+def serving_tiny(quantize: str, *, in_place: bool = True) -> Transformer:
+    """A tiny bf16 decoder with the worker's serving linears (`quantize`: "none", "int4");
+    `in_place`: the test needs the decode attention kernel, skipped where it is not built."""
+    m = build_model(SERVING, random_weights(SERVING), dtype=torch.bfloat16)
+    m.use_serving_linears(quantize)
+    if in_place and not m.attends_in_place:
+        pytest.skip("the decode attention kernel is not available on this CPU")
+    return m
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, Tensor]:

@@ -12,7 +12,7 @@ import torch
 from neuron_worker.backends import create_backend
 from neuron_worker.graphs import MAX_FLAT_TOKENS, CompileCounter, ForwardRunner, Pass
 from neuron_worker.model import Transformer, build_model
-from tests.unit.model.tiny import TINY, random_weights, tiny_config
+from tests.unit.model.tiny import SERVING, TINY, random_weights, serving_tiny, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -145,11 +145,8 @@ def test_a_pass_over_the_flat_limit_runs_in_chunks_with_the_same_logits() -> Non
     """Where attention reads the cache in place, a pass of more real tokens than `flat_tokens`
     runs as consecutive flat chunks: a verification pass (every position's logits, rows split
     across chunk boundaries) returns what one flat pass returns, in the same order."""
-    config = tiny_config(dim=64, head_dim=32, vocab_size=128)
-    m = build_model(config, random_weights(config), dtype=torch.bfloat16)
-    m.use_serving_linears("none")
-    if not m.attends_in_place:
-        pytest.skip("the decode attention kernel is not available on this CPU")
+    config = SERVING
+    m = serving_tiny("none")
     m.setup_caches(8, 64)
     kw: dict[str, Any] = {"max_rows": 4, "max_seq": 64, "pad_slot": 7, "verify_width": 8}
     chunked = ForwardRunner(m, create_backend("cpu"), flat_tokens=4, **kw)
@@ -182,11 +179,8 @@ def test_a_tokens_logits_do_not_depend_on_what_shares_its_pass(compile: bool) ->
     output must not depend on how requests happen to be batched: a prompt's logits are bitwise
     the same prefilled alone, with another prompt, or with three (in chunks); a generated
     token's, decoded alone or beside other rows' forced tokens (a pass of 2 to 27 tokens)."""
-    config = tiny_config(dim=64, head_dim=32, vocab_size=128)
-    m = build_model(config, random_weights(config), dtype=torch.bfloat16)
-    m.use_serving_linears("int4")
-    if not m.attends_in_place:
-        pytest.skip("the decode attention kernel is not available on this CPU")
+    config = SERVING
+    m = serving_tiny("int4")
     assert m.quantized
     m.setup_caches(16, 64)
     torch._dynamo.reset()  # compiled graphs skip module guards: none of another model's

@@ -18,7 +18,7 @@ from neuron_worker import saved_graphs
 from neuron_worker.backends import create_backend
 from neuron_worker.graphs import CompileCounter, ForwardRunner, Pass
 from neuron_worker.model import build_model
-from tests.unit.model.tiny import TINY, random_weights, tiny_config
+from tests.unit.model.tiny import TINY, random_weights, serving_tiny
 from tests.unit.worker.test_graphs import serve_random_passes, tiny_runner
 
 KINDS = ("decode", "multi")  # fp32: one function, attention not in place (so no chunks)
@@ -66,11 +66,7 @@ def test_a_quantized_model_saves_a_graph_per_role_and_no_grid_where_attention_is
     """bf16 with int4 projections, attention in place: prompts and generated tokens each have
     their one-token-per-row graph (`prefill`, `decode`); passes too large to run flat run in
     chunks, so `multi` is never compiled. A second runner loads both."""
-    config = tiny_config(dim=64, head_dim=32, vocab_size=128)
-    m = build_model(config, random_weights(config), dtype=torch.bfloat16)
-    m.use_serving_linears("int4")
-    if not m.attends_in_place:
-        pytest.skip("the decode attention kernel is not available on this CPU")
+    m = serving_tiny("int4")
     m.setup_caches(5, 64)
 
     def runner() -> ForwardRunner:
