@@ -1,6 +1,7 @@
 """Speculative decoding on a real stack: tokens/s and forward passes per token, on and off.
 
-Starts a grammar service and a worker with `--speculative ngram` (embedded SmolLM2), then runs two
+Starts a grammar service and a worker with `--speculative ngram` (embedded SmolLM2; its default
+text drafter, and the grammar's forced drafts), then runs two
 workloads, each request twice on the same worker, interleaved (speculation on, then opted out
 with `GenerateRequest.disable_speculation`), at each concurrency:
 

@@ -299,6 +299,7 @@ class Session:
         errors: list[status_pb2.Status | None] = [None] * n
         expected = [0] * n
         drafts_of: dict[int, list[int]] = {}
+        forced_room: dict[int, int] = {}  # StepRow.forced_draft_room, where set
         singles: list[tuple[RequestGrammar, int]] = []
         single_idx: list[int] = []
         seen: set[str] = set()
@@ -338,6 +339,8 @@ class Session:
             drafts = row.draft_tokens
             if drafts:
                 drafts_of[i] = list(drafts[:max_drafts])
+            if row.forced_draft_room:
+                forced_room[i] = min(row.forced_draft_room, max_drafts)
             if k == 0:
                 continue
             gate = req.gate
@@ -389,6 +392,7 @@ class Session:
         ff: dict[int, list[int]] = {}
         accepting: dict[int, bool] = {}  # what the output check says, for checked rows
         ahead: dict[int, list[Ahead]] = {}  # checked rows: the output after each accepted draft
+        forced_drafts: dict[int, list[int]] = {}  # drafts of the forced bytes (forced_draft_room)
         accepted = [0] * n
         slots = [-1] * n
         plain: list[tuple[RequestGrammar, int]] = []
@@ -425,6 +429,14 @@ class Session:
                         continue
                     req.position += len(forced)
                     ff[i] = forced
+                    if i in forced_room:
+                        # The worker drafted without knowing `forced`: its drafts would not
+                        # follow them. Draft what the grammar forces beyond them instead.
+                        t0 = time.thread_time()
+                        tail = g.ff_bytes()
+                        d = tok.ll.tokenize_bytes(tail)[: forced_room[i]] if tail else []
+                        spent[i] += time.thread_time() - t0
+                        forced_drafts[i] = drafts_of[i] = d
             if i in drafts_of:
                 d = drafts_of[i]
                 cut = next((j for j, t in enumerate(d) if not 0 <= t < vocab), len(d))
@@ -499,6 +511,8 @@ class Session:
                 )
                 if i in ff:
                     r.ff_tokens.extend(ff[i])
+                if i in forced_drafts:
+                    r.forced_drafts.extend(forced_drafts[i][: accepted[i]])
                 continue
             st = status[i]
             rid = rids[i]

@@ -20,7 +20,7 @@ from maskwire.tokenizer import Tokenizer, load_tokenizer
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
 from neuron_worker import device_thread, kernels
 from neuron_worker.backends import create_backend
-from neuron_worker.drafter import DraftConfig
+from neuron_worker.drafter import DEFAULT_SIZES, DraftConfig, DraftMatch
 from neuron_worker.engine import Engine, EngineConfig
 from neuron_worker.grammar_client import GrammarClient
 from neuron_worker.graphs import GRAPH_LAYOUT, MAX_FLAT_TOKENS
@@ -116,11 +116,14 @@ def draft_config(args: argparse.Namespace) -> DraftConfig | None:
     """The drafter's settings from `--speculative` and its flags (None: speculation off)."""
     if getattr(args, "speculative", "none") == "none":
         return None
+    match: DraftMatch = getattr(args, "draft_match", "text")
+    min_n, max_n = DEFAULT_SIZES[match]
     try:
         return DraftConfig(
             num_draft_tokens=args.num_draft_tokens,
-            min_n=args.ngram_min,
-            max_n=args.ngram_max,
+            match=match,
+            min_n=min_n if args.ngram_min is None else args.ngram_min,
+            max_n=max_n if args.ngram_max is None else args.ngram_max,
             pass_tokens=verify_pass_tokens(args),
         )
     except ValueError as e:

@@ -170,10 +170,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "cpu, where a wider pass costs more than its drafts save; no limit elsewhere; 0: none)",
     )
     p.add_argument(
-        "--ngram-min", type=int, default=1, help="shortest suffix the n-gram drafter matches"
+        "--draft-match",
+        choices=("text", "tokens"),
+        default="text",
+        help="what the drafter matches: `text` (default; finds copies however they were "
+        "tokenized, e.g. a passage's ` Riverside` in a JSON value's `\"Riverside`) or token "
+        "n-grams",
     )
     p.add_argument(
-        "--ngram-max", type=int, default=4, help="longest suffix the n-gram drafter matches"
+        "--ngram-min",
+        type=int,
+        default=None,
+        help="shortest suffix the drafter matches, in bytes of text (default 2) or tokens (1)",
+    )
+    p.add_argument(
+        "--ngram-max",
+        type=int,
+        default=None,
+        help="longest suffix the drafter matches, in bytes of text (default 64) or tokens (4)",
     )
     p.add_argument(
         "--overlap",

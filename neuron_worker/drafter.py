@@ -1,31 +1,45 @@
-"""Draft tokens for speculative decoding: n-gram (prompt-lookup) proposals and an adaptive budget.
+"""Draft tokens for speculative decoding: prompt-lookup proposals and an adaptive budget.
 
-:class:`NgramDrafter` looks at one request's tokens (prompt + output): it takes the longest recent
-suffix of `max_n` down to `min_n` tokens that occurred earlier and proposes the tokens that
-followed its latest earlier occurrence. An index of n-gram -> latest continuation start is kept
-per request and extended incrementally, so a proposal costs O(max_n) dictionary look-ups.
+Two drafters look at one request's history (prompt + output) and propose what followed the
+latest earlier occurrence of its longest recent suffix:
+
+* :class:`TextDrafter` (the default, `--draft-match text`) matches the *text*. The same words
+  tokenize differently in different places (` Riverside` in a passage is one token, `"Riverside`
+  in a JSON value is `R` `ivers` `ide`), so token n-grams miss exactly the copies structured
+  outputs make. It also matches a partial word at the start of any earlier word, and tokenizes
+  the continuation it found the way the model writes it.
+* :class:`NgramDrafter` (`--draft-match tokens`) matches token n-grams through an index extended
+  incrementally, so a proposal costs O(max_n) dictionary look-ups.
 
 :class:`DraftBudget` decides how many drafts a request gets per step: it grows after fully
 accepted drafts, halves after fully rejected ones and, after a run of misses, pauses drafting for
 a cooldown that doubles each time, so a request whose text never repeats soon pays nothing.
 
-The drafter is deterministic: with the acceptance rule of the engine (a draft is kept iff the
+The drafters are deterministic: with the acceptance rule of the engine (a draft is kept iff the
 token sampled at its position equals it) the output distribution is exactly the target's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+DraftMatch = Literal["text", "tokens"]
+# Suffix lengths matched by default: tokens for `tokens`, bytes of text for `text`.
+DEFAULT_SIZES: dict[str, tuple[int, int]] = {"tokens": (1, 4), "text": (2, 64)}
 
 
 @dataclass(frozen=True)
 class DraftConfig:
-    """Speculation settings (CLI: `--speculative`, `--num-draft-tokens`, `--ngram-min/max`)."""
+    """Speculation settings (CLI: `--speculative`, `--num-draft-tokens`, `--draft-match`,
+    `--ngram-min/max`)."""
 
     num_draft_tokens: int = 4
-    min_n: int = 1
-    max_n: int = 4
+    match: DraftMatch = "text"
+    # Shortest / longest suffix matched, in the unit of `match` (tokens or bytes of text).
+    min_n: int = DEFAULT_SIZES["text"][0]
+    max_n: int = DEFAULT_SIZES["text"][1]
     # Most tokens in one verification pass, all rows together (0 = no limit): drafts beyond it
     # are not proposed (see `neuron_worker.engine`, `_plan_drafts`).
     pass_tokens: int = 0
@@ -44,8 +58,27 @@ class DraftConfig:
             raise ValueError("pass_tokens must be >= 0")
 
 
+class Drafter(Protocol):
+    """Proposes drafts from one request's history (prompt + output), fed by `extend`."""
+
+    def extend(self, tokens: Sequence[int]) -> None: ...
+    def __len__(self) -> int: ...
+    def propose(self, k: int) -> list[int]: ...
+
+
+def new_drafter(
+    config: DraftConfig,
+    token_bytes: Callable[[int], bytes],
+    encode: Callable[[str], list[int]],
+) -> Drafter:
+    """The drafter `config.match` names, for one request."""
+    if config.match == "tokens":
+        return NgramDrafter(config.min_n, config.max_n)
+    return TextDrafter(token_bytes, encode, config.min_n, config.max_n)
+
+
 class NgramDrafter:
-    """Prompt-lookup proposals for one request (module docstring)."""
+    """Prompt lookup on token n-grams, for one request (module docstring)."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n = min_n
@@ -81,6 +114,114 @@ class NgramDrafter:
             if start is not None:
                 return toks[start : start + k]
         return []
+
+
+def _in_word(byte: int) -> bool:
+    """Letters, digits and every byte of a multi-byte UTF-8 character."""
+    return byte >= 0x80 or 48 <= byte <= 57 or 65 <= byte <= 90 or 97 <= byte <= 122
+
+
+class TextDrafter:
+    """Prompt lookup on text, for one request (module docstring).
+
+    The suffix is the longest one of `min_n` to `max_n` bytes that occurred earlier; when no
+    suffix longer than the partial word at the end of the text does, the partial word is
+    matched at the start of an earlier word instead (`"Riv` finds ` Riverside`). The
+    continuation (`lookahead` bytes after the match) is tokenized together with the partial
+    word, and the drafts are the tokens after those that spell the partial word (none when the
+    tokenization does not split there), without the last one, which the cut may have split.
+    """
+
+    def __init__(
+        self,
+        token_bytes: Callable[[int], bytes],
+        encode: Callable[[str], list[int]],
+        min_n: int,
+        max_n: int,
+        lookahead: int = 48,
+    ) -> None:
+        self._token_bytes = token_bytes
+        self._encode = encode
+        self.min_n = min_n
+        self.max_n = max_n
+        self.lookahead = lookahead
+        self._text = bytearray()
+        self._count = 0
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens to the request's history."""
+        for t in tokens:
+            self._text += self._token_bytes(t)
+        self._count += len(tokens)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` tokens that continue the text as its latest earlier match did."""
+        text = self._text
+        end = len(text)
+        if k <= 0 or end < 2:
+            return []
+        start = end
+        while start > 0 and end - start < self.max_n and _in_word(text[start - 1]):
+            start -= 1
+        word = bytes(text[start:end])
+        n, at = self._longest_suffix(end)
+        if n > len(word) and n >= self.min_n:
+            cont = at + n
+        elif word:
+            cont = self._word_start(word, end)
+            if cont < 0:
+                return []
+        else:
+            return []
+        tail = bytes(text[cont : cont + self.lookahead])
+        try:
+            spelled = (word + tail).decode()
+        except UnicodeDecodeError:  # a cut inside a character: retry without its bytes
+            spelled = (word + tail).decode(errors="ignore")
+            if not spelled.encode().startswith(word):
+                return []
+        tokens = self._encode(spelled)
+        covered = b""
+        i = 0
+        while len(covered) < len(word) and i < len(tokens):
+            covered += self._token_bytes(tokens[i])
+            i += 1
+        if covered != word:
+            return []
+        last = len(tokens) if cont + self.lookahead >= end else len(tokens) - 1
+        return tokens[i:last][:k]
+
+    def _longest_suffix(self, end: int) -> tuple[int, int]:
+        """(length, start of its latest earlier occurrence) of the longest suffix of at most
+        `max_n` bytes that also occurs ending before the last byte; (0, -1) when none does.
+        A suffix that occurs earlier has shorter ones that do too: binary search."""
+        text = self._text
+        lo, at = 0, -1
+        hi = min(self.max_n, end - 1)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            p = text.rfind(text[end - mid :], 0, end - 1)
+            if p >= 0:
+                lo, at = mid, p
+            else:
+                hi = mid - 1
+        return lo, at
+
+    def _word_start(self, word: bytes, end: int) -> int:
+        """Where the text continues after the latest earlier word that starts with `word`
+        (-1: none)."""
+        text = self._text
+        limit = end - 1
+        while True:
+            p = text.rfind(word, 0, limit)
+            if p < 0:
+                return -1
+            if p == 0 or not _in_word(text[p - 1]):
+                return p + len(word)
+            limit = p + len(word) - 1
 
 
 @dataclass

@@ -112,6 +112,9 @@ class RowOutcome:
     accepted_drafts: int = (
         0  # leading drafts the grammar accepts (one mask row each after the first)
     )
+    # Drafts of the bytes the grammar forces after `ff_tokens`, checked in place of the row's
+    # own drafts (`GrammarClient.step`'s `forced_draft_room`).
+    forced_drafts: list[int] = field(default_factory=list)
     error: str = ""
     code: grpc.StatusCode = grpc.StatusCode.OK
     reason: str = ""  # google.rpc.ErrorInfo reason of the error
@@ -326,8 +329,8 @@ def _row_failure(row: grammar_pb2.RowResult, req: GrammarRequest, new: Sequence[
     )
 
 
-# One step row: the request, its new tokens, its draft tokens.
-_Entry = tuple[GrammarRequest, Sequence[int], Sequence[int]]
+# One step row: the request, its new tokens, its draft tokens, its room for forced drafts.
+_Entry = tuple[GrammarRequest, Sequence[int], Sequence[int], int]
 
 
 def _accepted(metadata: object) -> bool:
@@ -528,17 +531,26 @@ class GrammarClient:
         self,
         entries: Sequence[tuple[GrammarRequest, Sequence[int]]],
         drafts: Sequence[Sequence[int]] | None = None,
+        forced_draft_room: Sequence[int] | None = None,
     ) -> list[RowOutcome]:
         """Advance each request by its new tokens and get its next mask row; with `drafts` (one
         list per entry), the grammar also checks those tokens without consuming them and sends
-        a mask row after each one it accepts.
+        a mask row after each one it accepts. With `forced_draft_room` (one count per entry), a
+        row that gets forced tokens gets up to that many drafts of the bytes forced after them
+        in place of its own (`RowOutcome.forced_drafts`).
 
         On OK rows, `req.consumed` is extended by the new tokens and the forced ones.
         """
-        if drafts is not None and len(drafts) != len(entries):
-            raise ValueError(f"{len(drafts)} draft lists for {len(entries)} entries")
+        for name, per_entry in (("draft lists", drafts), ("room counts", forced_draft_room)):
+            if per_entry is not None and len(per_entry) != len(entries):
+                raise ValueError(f"{len(per_entry)} {name} for {len(entries)} entries")
         rows: list[_Entry] = [
-            (req, new, drafts[i] if drafts is not None else ())
+            (
+                req,
+                new,
+                drafts[i] if drafts is not None else (),
+                forced_draft_room[i] if forced_draft_room is not None else 0,
+            )
             for i, (req, new) in enumerate(entries)
         ]
         return await self._step(rows)
@@ -616,13 +628,14 @@ class GrammarClient:
     ) -> list[int]:
         rows = []
         for i in idx:
-            req, new, drafts = entries[i]
+            req, new, drafts, forced_room = entries[i]
             rows.append(
                 grammar_pb2.StepRow(
                     request_id=req.request_id,
                     new_tokens=new,
                     position=len(req.consumed) + len(new),
                     draft_tokens=drafts,
+                    forced_draft_room=forced_room,
                 )
             )
         step_no = next(self._step_no)
@@ -665,7 +678,7 @@ class GrammarClient:
         offset = 0
         retry: list[int] = []
         for i, row in zip(idx, result.rows, strict=True):
-            req, new, _ = entries[i]
+            req, new, _, _ = entries[i]
             n = row.mask_rows
             if row.status == grammar_pb2.ROW_STATUS_OK:
                 mask = None
@@ -682,6 +695,7 @@ class GrammarClient:
                     accepting=row.accepting,
                     finished=row.finished,
                     accepted_drafts=row.accepted_drafts,
+                    forced_drafts=list(row.forced_drafts),
                 )
             elif (
                 row.status

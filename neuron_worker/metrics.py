@@ -45,10 +45,11 @@ FORWARD_PASSES = prom.Counter(
 )
 DRAFT_TOKENS = prom.Counter(
     "maskwire_worker_draft_tokens_total",
-    "Speculative draft tokens: proposed by the drafter, kept after the grammar's check, accepted "
-    "by verification (acceptance rate = accepted / kept; tokens per forward pass = "
+    "Speculative draft tokens: proposed by the drafter or forced by the grammar (drafts of the "
+    "bytes it forces after its jump-forward tokens), kept for a verification pass, accepted by "
+    "verification (acceptance rate = accepted / kept; tokens per forward pass = "
     "generated_tokens_total / forward_passes_total)",
-    ["stage"],  # proposed | kept | accepted
+    ["stage"],  # proposed | forced | kept | accepted
 )
 QUEUE_DEPTH = prom.Gauge("maskwire_worker_queue_depth", "Requests waiting for a KV slot")
 RUNNING = prom.Gauge("maskwire_worker_running_requests", "Requests holding a KV slot")
@@ -91,6 +92,7 @@ class EngineStats:
     forced_tokens: int = 0
     compiles_while_serving: int = 0
     draft_proposed: int = 0
+    draft_forced: int = 0
     draft_kept: int = 0
     draft_accepted: int = 0
 
@@ -139,13 +141,22 @@ class Metrics:
         if forced:
             TOKENS.labels("forced").inc(forced)
 
-    def drafts(self, *, proposed: int = 0, kept: int = 0, accepted: int = 0) -> None:
-        """Speculative decoding: drafts proposed by the drafter, kept by the grammar (and the
-        length limits) for a verification pass, accepted by the sampler."""
+    def drafts(
+        self, *, proposed: int = 0, forced: int = 0, kept: int = 0, accepted: int = 0
+    ) -> None:
+        """Speculative decoding: drafts proposed by the drafter or forced by the grammar, kept
+        by the grammar (and the length limits) for a verification pass, accepted by the sampler."""
         self.stats.draft_proposed += proposed
+        self.stats.draft_forced += forced
         self.stats.draft_kept += kept
         self.stats.draft_accepted += accepted
-        for stage, n in (("proposed", proposed), ("kept", kept), ("accepted", accepted)):
+        stages = (
+            ("proposed", proposed),
+            ("forced", forced),
+            ("kept", kept),
+            ("accepted", accepted),
+        )
+        for stage, n in stages:
             if n:
                 DRAFT_TOKENS.labels(stage).inc(n)
 

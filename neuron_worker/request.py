@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from maskwire.rpc import RpcError
 from maskwire.v1 import common_pb2, worker_pb2
 from neuron_worker.detokenize import Detokenizer
-from neuron_worker.drafter import DraftBudget, NgramDrafter
+from neuron_worker.drafter import DraftBudget, Drafter
 from neuron_worker.grammar_client import GrammarRequest
 
 
@@ -93,7 +93,7 @@ class Request:
     pending: int | None = None
     verified: list[int] = field(default_factory=list)
     speculate: bool = True  # drafts allowed (the worker's --speculative decides if any)
-    drafter: NgramDrafter | None = None
+    drafter: Drafter | None = None
     budget: DraftBudget | None = None
     draft_tokens: int = 0  # drafts that reached a verification pass
     accepted_drafts: int = 0  # of those, kept

@@ -126,16 +126,18 @@ class Step(_message.Message):
     def __init__(self, step: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[StepRow, _Mapping]]] = ..., compact_masks: _Optional[bool] = ...) -> None: ...
 
 class StepRow(_message.Message):
-    __slots__ = ("request_id", "new_tokens", "position", "draft_tokens")
+    __slots__ = ("request_id", "new_tokens", "position", "draft_tokens", "forced_draft_room")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_DRAFT_ROOM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     position: int
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    forced_draft_room: int
+    def __init__(self, request_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., forced_draft_room: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step", "rows", "bitmask", "words_per_row", "mask_row_encodings", "mask_row_word_counts", "mask_word_index", "mask_word_values", "mask_row_repeat_of", "vocab_size")
@@ -162,7 +164,7 @@ class StepResult(_message.Message):
     def __init__(self, step: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowResult, _Mapping]]] = ..., bitmask: _Optional[bytes] = ..., words_per_row: _Optional[int] = ..., mask_row_encodings: _Optional[_Iterable[_Union[MaskRowEncoding, str]]] = ..., mask_row_word_counts: _Optional[_Iterable[int]] = ..., mask_word_index: _Optional[bytes] = ..., mask_word_values: _Optional[bytes] = ..., mask_row_repeat_of: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class RowResult(_message.Message):
-    __slots__ = ("request_id", "status", "mask_rows", "accepted_drafts", "ff_tokens", "accepting", "finished", "position", "expected_position", "error")
+    __slots__ = ("request_id", "status", "mask_rows", "accepted_drafts", "ff_tokens", "accepting", "finished", "position", "expected_position", "error", "forced_drafts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MASK_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +175,7 @@ class RowResult(_message.Message):
     POSITION_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_POSITION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    FORCED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     status: RowStatus
     mask_rows: int
@@ -183,7 +186,8 @@ class RowResult(_message.Message):
     position: int
     expected_position: int
     error: _status_pb2.Status
-    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[RowStatus, str]] = ..., mask_rows: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., ff_tokens: _Optional[_Iterable[int]] = ..., accepting: _Optional[bool] = ..., finished: _Optional[bool] = ..., position: _Optional[int] = ..., expected_position: _Optional[int] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
+    forced_drafts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[RowStatus, str]] = ..., mask_rows: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., ff_tokens: _Optional[_Iterable[int]] = ..., accepting: _Optional[bool] = ..., finished: _Optional[bool] = ..., position: _Optional[int] = ..., expected_position: _Optional[int] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., forced_drafts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Close(_message.Message):
     __slots__ = ("request_id",)

@@ -21,10 +21,13 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_speculation_is_off_by_default_and_configurable() -> None:
     assert draft_config(parse()) is None
     assert engine_config(parse(), 2048).speculative is None
+    spec = draft_config(parse("--speculative", "ngram", "--num-draft-tokens", "3"))
+    assert spec is not None and (spec.num_draft_tokens, spec.match) == (3, "text")
+    assert (spec.min_n, spec.max_n) == (2, 64)  # bytes of text
     spec = draft_config(
-        parse("--speculative", "ngram", "--num-draft-tokens", "3", "--ngram-max", "2")
+        parse("--speculative", "ngram", "--draft-match", "tokens", "--ngram-max", "2")
     )
-    assert spec is not None and (spec.num_draft_tokens, spec.min_n, spec.max_n) == (3, 1, 2)
+    assert spec is not None and (spec.match, spec.min_n, spec.max_n) == ("tokens", 1, 2)
     with pytest.raises(SystemExit, match="n-gram sizes"):
         draft_config(parse("--speculative", "ngram", "--ngram-min", "3", "--ngram-max", "2"))
 

@@ -38,6 +38,7 @@ V = TOK.vocab_size
 NORMAL = [i for i in range(300, 3000) if TOK.token_bytes(i).isalpha()][:97]
 FF = NORMAL[:2]
 REJECTED = NORMAL[5]  # FakeGrammar never accepts this token as a draft
+FORCED_DRAFT = NORMAL[6]  # FakeGrammar's draft of what it forces after FF
 P = 1_000_003
 
 
@@ -116,8 +117,10 @@ class FakeGrammar:
         self,
         entries: Sequence[tuple[GrammarRequest, Sequence[int]]],
         drafts: Sequence[Sequence[int]] | None = None,
+        forced_draft_room: Sequence[int] | None = None,
     ) -> list[RowOutcome]:
-        """Drafts are accepted up to the first `REJECTED` one."""
+        """Drafts are accepted up to the first `REJECTED` one. With room for forced drafts, a
+        row that gets FF gets `FORCED_DRAFT` as its draft instead."""
         await asyncio.sleep(0.001)
         out = []
         for i, (req, new) in enumerate(entries):
@@ -126,6 +129,9 @@ class FakeGrammar:
             ff = [] if done else list(FF)
             req.consumed.extend(ff)
             d = list(drafts[i]) if drafts is not None else []
+            forced = bool(ff and forced_draft_room and forced_draft_room[i])
+            if forced:
+                d = [FORCED_DRAFT]
             a = d.index(REJECTED) if REJECTED in d else len(d)
             mask = np.full((1 + a, TOK.words_per_row), -1, dtype=np.int32)
             out.append(
@@ -136,6 +142,7 @@ class FakeGrammar:
                     accepting=done,
                     finished=done,
                     accepted_drafts=a,
+                    forced_drafts=d if forced else [],
                 )
             )
         return out

@@ -14,11 +14,19 @@ import torch
 
 from maskwire.v1 import common_pb2, worker_pb2
 from neuron_worker.detokenize import Detokenizer
-from neuron_worker.drafter import DraftBudget, DraftConfig, NgramDrafter, accepted_prefix
+from neuron_worker.drafter import (
+    DraftBudget,
+    DraftConfig,
+    NgramDrafter,
+    TextDrafter,
+    accepted_prefix,
+)
 from neuron_worker.engine import Engine
 from neuron_worker.request import Request, Sampling
 from neuron_worker.sampler import sample_tokens
 from tests.unit.worker.test_engine import (
+    FF,
+    FORCED_DRAFT,
     NORMAL,
     REJECTED,
     TOK,
@@ -39,6 +47,14 @@ def periodic(seq: Sequence[int]) -> int:
     last = seq[-1]
     k = CYCLE.index(last) if last in CYCLE else -1
     return CYCLE[(k + 1) % len(CYCLE)]
+
+
+def token_drafts(k: int, pass_tokens: int = 0) -> DraftConfig:
+    """Token n-gram drafts: the fake model's token sequences are not how the tokenizer would
+    spell their text, so the text drafter (rightly) finds nothing to propose in them."""
+    return DraftConfig(
+        num_draft_tokens=k, match="tokens", min_n=1, max_n=4, pass_tokens=pass_tokens
+    )
 
 
 # -- drafter -------------------------------------------------------------------------------------
@@ -64,6 +80,45 @@ def test_drafter_finds_nothing_without_repeats() -> None:
     assert d.propose(4) == []
     d.extend([11])  # [10, 11] occurred before, followed by 12...
     assert d.propose(3) == [12, 13, 14]
+
+
+def text_drafter(text: str) -> TextDrafter:
+    d = TextDrafter(TOK.token_bytes, TOK.encode, min_n=2, max_n=64)
+    d.extend(TOK.encode(text))
+    return d
+
+
+def spelled(tokens: list[int]) -> list[str]:
+    return [TOK.token_bytes(t).decode() for t in tokens]
+
+
+def test_text_drafter_finds_a_copy_that_token_ngrams_miss() -> None:
+    """A passage's ` Riverside Public Library` is one token per word; a JSON value spells its
+    first word `R` `ivers` `ide`. After `"R` the text drafter proposes the rest, tokenized the
+    way the value continues; the token n-gram drafter has nothing to match."""
+    history = 'She works at the Riverside Public Library. {"workplace": "R'
+    d = text_drafter(history)
+    want = TOK.encode('"Riverside Public Library.')[2:6]
+    assert spelled(want) == ["ivers", "ide", " Public", " Library"]
+    assert d.propose(4) == want
+    n = NgramDrafter(1, 4)
+    n.extend(TOK.encode(history))
+    assert n.propose(4) == []
+
+
+def test_text_drafter_prefers_the_longest_earlier_suffix() -> None:
+    # `at the` occurred twice; the longest suffix ` at the` followed by ` Mill` in its latest
+    # occurrence wins over the word rule.
+    d = text_drafter("lunch at the Old Mill, then tea at the Mill Tower. Later, dinner at the")
+    assert spelled(d.propose(2)) == [" Mill", " Tower"]
+    assert d.propose(0) == []
+
+
+def test_text_drafter_proposes_nothing_without_a_repeat_or_a_clean_split() -> None:
+    assert text_drafter("The quick brown fox jumps").propose(4) == []
+    # ` Riverside` occurred, but `Riverside` tokenizes as `R` `ivers` `ide`: no run of its
+    # tokens spells the partial word `Riv` the text ends with, so no draft could continue it.
+    assert text_drafter("the Riverside Library. Then Riv").propose(4) == []
 
 
 def test_budget_backs_off_pauses_and_recovers() -> None:
@@ -197,7 +252,7 @@ async def test_speculation_changes_no_output_and_saves_passes(
     want = await run(plain, workload(temperature))
 
     spec, spec_model = make_engine(
-        overlap=True, bucketed=bucketed, limit=30, speculative=DraftConfig(num_draft_tokens=4)
+        overlap=True, bucketed=bucketed, limit=30, speculative=token_drafts(4)
     )
     spec_model.rule = periodic
     verified_drafts: list[list[int]] = []
@@ -232,8 +287,9 @@ async def test_speculation_changes_no_output_and_saves_passes(
 
 
 async def test_drafts_stay_within_the_pass_token_budget() -> None:
-    """`pass_tokens`: every row's pending and forced tokens count first; drafts fill what is
-    left of the budget and no more. The output is still the plain engine's."""
+    """`pass_tokens`: every row's pending and forced tokens count first; the drafter's drafts
+    fill what is left of the budget and no more (the grammar's forced drafts do not count).
+    The output is still the plain engine's."""
     plain, plain_model = make_engine(overlap=False, limit=30)
     plain_model.rule = periodic
     want = await run(plain, workload(0.0))
@@ -242,7 +298,7 @@ async def test_drafts_stay_within_the_pass_token_budget() -> None:
     spec, spec_model = make_engine(
         overlap=False,
         limit=30,
-        speculative=DraftConfig(num_draft_tokens=4, pass_tokens=budget),
+        speculative=token_drafts(4, pass_tokens=budget),
     )
     spec_model.rule = periodic
     passes: list[tuple[int, int]] = []  # (pending + forced tokens, draft tokens) per verify pass
@@ -251,7 +307,8 @@ async def test_drafts_stay_within_the_pass_token_budget() -> None:
     async def spy(rows: list[Any], kind: str) -> torch.Tensor:
         if kind == "verify":
             drafts = sum(row.outputs - 1 for row in rows)
-            passes.append((sum(len(row.tokens) for row in rows) - drafts, drafts))
+            own = sum(row.outputs - 1 for row in rows if not row.forced_drafts)
+            passes.append((sum(len(row.tokens) for row in rows) - drafts, own))
         return await forward(rows, kind)
 
     spec._forward = spy  # type: ignore[method-assign]
@@ -263,8 +320,44 @@ async def test_drafts_stay_within_the_pass_token_budget() -> None:
     assert spec.metrics.stats.draft_accepted > 0
 
 
+async def test_forced_drafts_are_verified_like_drafts() -> None:
+    """Without overlap every step asks the grammar for forced drafts: a row that gets FF also
+    gets the grammar's FORCED_DRAFT in the same pass, and the model (which never writes it)
+    rejects it: the output is the plain engine's. The drafter's budget never hears of forced
+    drafts; a request that opted out gets none. (Accepted forced drafts: the end-to-end tests,
+    where a real grammar forces what follows them.)"""
+    plain, plain_model = make_engine(overlap=False, limit=30)
+    plain_model.rule = periodic
+    want = await run(plain, workload(0.0))
+
+    spec, spec_model = make_engine(overlap=False, limit=30, speculative=token_drafts(4))
+    spec_model.rule = periodic
+    rows: list[tuple[bool, list[int], int]] = []
+    forward = spec._forward
+
+    async def spy(pass_rows: list[Any], kind: str) -> torch.Tensor:
+        if kind == "verify":
+            rows.extend((r.forced_drafts, r.tokens, r.outputs) for r in pass_rows)
+        return await forward(pass_rows, kind)
+
+    spec._forward = spy  # type: ignore[method-assign]
+    reqs = workload(0.0)
+    reqs[2].speculate = False
+    got = await run(spec, reqs)
+
+    assert [g[0] for g in got] == [w[0] for w in want]
+    forced = [(tokens, outputs) for by_grammar, tokens, outputs in rows if by_grammar]
+    assert forced and all(t[-len(FF) - 1 : -1] == FF and t[-1] == FORCED_DRAFT for t, _ in forced)
+    stats = spec.metrics.stats
+    assert stats.draft_forced >= len(forced)
+    assert got[2][2].usage.draft_tokens == 0
+    # The drafter's budget records its own drafts only.
+    own = sum(r.budget.proposed for r in reqs if r.budget is not None)
+    assert own == stats.draft_kept - stats.draft_forced
+
+
 async def test_a_request_can_opt_out() -> None:
-    spec, model = make_engine(overlap=True, limit=30, speculative=DraftConfig(num_draft_tokens=4))
+    spec, model = make_engine(overlap=True, limit=30, speculative=token_drafts(4))
     model.rule = periodic
     r = make_request(1, constrained=False, max_tokens=30)
     r.speculate = False
@@ -302,9 +395,7 @@ async def test_a_draft_that_crosses_eos_ends_the_request_there(bucketed: bool) -
     plain, plain_model = make_engine(overlap=True, bucketed=bucketed)
     plain_model.rule = ends_with_eos
     want = await run(plain, workload())
-    spec, spec_model = make_engine(
-        overlap=True, bucketed=bucketed, speculative=DraftConfig(num_draft_tokens=4)
-    )
+    spec, spec_model = make_engine(overlap=True, bucketed=bucketed, speculative=token_drafts(4))
     spec_model.rule = ends_with_eos
     crossing: list[list[int]] = []
     forward = spec._forward

@@ -1,0 +1,102 @@
+"""Forced drafts: with `StepRow.forced_draft_room`, a row that gets jump-forward tokens also gets
+drafts of the bytes the grammar forces after them but cannot tokenize yet, in place of its own
+drafts; the grammar does not consume them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from grammar_service.session import Session
+from maskwire.bitmask import step_masks
+from maskwire.tokenizer import Tokenizer, load_tokenizer
+from maskwire.v1 import common_pb2, grammar_pb2
+from tests.unit.grammar_service.schema_support import allowed
+from tests.unit.grammar_service.test_session import runtime
+
+OK = grammar_pb2.ROW_STATUS_OK
+RECORD = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "city": {"type": "string"}},
+    "required": ["name", "city"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return load_tokenizer("default")
+
+
+async def opened(tok: Tokenizer) -> Session:
+    s = Session(runtime(tok))
+    o = await s.open(
+        grammar_pb2.Open(
+            request_id="r",
+            constraint=common_pb2.Constraint(json_schema=json.dumps(RECORD)),
+            tokenizer=tok.fingerprint.to_proto(),
+            options=grammar_pb2.RequestOptions(jump_forward=True),
+        )
+    )
+    assert not o.HasField("error")
+    return s
+
+
+def step(
+    s: Session, new: list[int], position: int, drafts: list[int], room: int
+) -> grammar_pb2.StepResult:
+    row = grammar_pb2.StepRow(
+        request_id="r",
+        new_tokens=new,
+        position=position + len(new),
+        draft_tokens=drafts,
+        forced_draft_room=room,
+    )
+    return s.step(grammar_pb2.Step(step=1, rows=[row]))
+
+
+def spelled(tok: Tokenizer, tokens: list[int]) -> bytes:
+    return b"".join(tok.token_bytes(t) for t in tokens)
+
+
+async def test_forced_tokens_come_with_drafts_of_what_is_forced_after_them(tok: Tokenizer) -> None:
+    s = await opened(tok)
+    worker_drafts = tok.encode("Maria")  # drafted before the worker knew what is forced
+    res = step(s, [], 0, worker_drafts, room=4)
+    row = res.rows[0]
+    assert row.status == OK
+    assert spelled(tok, list(row.ff_tokens)) == b'{"name":'
+    # ` "` is forced too, but a longer token could start with it: a draft, not a forced token.
+    assert spelled(tok, list(row.forced_drafts)) == b' "'
+    assert row.accepted_drafts == 1 and row.mask_rows == 2
+    masks = step_masks(res)
+    quote = tok.encode(' "')[0]
+    maria = tok.encode("Maria")[0]
+    # The main row is for the position after the forced tokens, the next after the draft.
+    assert allowed(masks[0], quote) and not allowed(masks[0], maria)
+    assert allowed(masks[1], maria)
+    # Not consumed: the position counts the forced tokens only, and the worker sends the draft
+    # back as a new token once verification accepted it.
+    assert row.position == len(row.ff_tokens)
+    value = [quote, *tok.encode('Maria",')]
+    res = step(s, value, row.position, [], room=4)
+    row2 = res.rows[0]
+    assert row2.status == OK
+    assert spelled(tok, list(row2.ff_tokens)) == b' "city":'
+    assert spelled(tok, list(row2.forced_drafts)) == b' "'
+
+
+async def test_without_room_or_forced_tokens_the_row_keeps_its_own_drafts(tok: Tokenizer) -> None:
+    s = await opened(tok)
+    quote = tok.encode(' "')[0]
+    res = step(s, [], 0, [quote], room=0)
+    row = res.rows[0]
+    assert not row.forced_drafts and row.accepted_drafts == 1  # the worker's own ` "`, checked
+    ff = list(row.ff_tokens)
+    name = tok.encode("Maria")
+    # No forced tokens after ` "`: the worker's drafts are checked as usual, room or not.
+    res = step(s, [quote], len(ff), name, room=4)
+    row = res.rows[0]
+    assert not row.ff_tokens and not row.forced_drafts
+    assert row.accepted_drafts == len(name) and row.mask_rows == 1 + len(name)
