@@ -103,6 +103,7 @@ def test_two_replicas_on_the_default_ports_serve_a_constrained_request(tmp_path:
 FREE_PORTS = ("--port", "0", "--worker-port", "0", "--grammar-port", "0")
 
 
+@pytest.mark.slow  # ~35 s on 2 cores; .ci/run's slow stage runs it
 async def test_replica_killed_under_load_is_restarted_and_used_again(tmp_path: Path) -> None:
     with running_up(tmp_path, *FREE_PORTS, "--metrics", "--worker-arg=--max-seq-len=512") as up:
         await _kill_a_replica_under_load(up)

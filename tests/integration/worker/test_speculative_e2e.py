@@ -21,6 +21,10 @@ from tests.integration.faults.support import busiest_first, grammar_replicas
 from tests.integration.worker.conftest import SCHEMAS, Result, cases, channel, chat, generate
 from tests.support.processes import ServiceProcess, running
 
+# ~110 s on 2 cores (references at 15-20 tokens/s, then every job again): the slow stage of
+# .ci/run; tests/unit/worker/test_speculative.py covers the step loop in the default run.
+pytestmark = pytest.mark.slow
+
 FR = worker_pb2
 
 RECORD = {
