@@ -38,6 +38,8 @@ from maskwire.rpc import RpcError, status_proto
 from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import grammar_pb2
 
+# Bytes of forced text looked at per forced draft (`StepRow.forced_draft_room`).
+_MAX_TOKEN_BYTES = 32
 OK = grammar_pb2.ROW_STATUS_OK
 DESYNC = grammar_pb2.ROW_STATUS_DESYNC
 ERROR = grammar_pb2.ROW_STATUS_ERROR
@@ -433,8 +435,10 @@ class Session:
                         # The worker drafted without knowing `forced`: its drafts would not
                         # follow them. Draft what the grammar forces beyond them instead.
                         t0 = time.thread_time()
-                        tail = g.ff_bytes()
-                        d = tok.ll.tokenize_bytes(tail)[: forced_room[i]] if tail else []
+                        room = forced_room[i]
+                        # A long forced literal: tokenize no more than the drafts can use.
+                        tail = g.ff_bytes()[: room * _MAX_TOKEN_BYTES]
+                        d = tok.ll.tokenize_bytes(tail)[:room] if tail else []
                         spent[i] += time.thread_time() - t0
                         forced_drafts[i] = drafts_of[i] = d
             if i in drafts_of:

@@ -100,3 +100,22 @@ async def test_without_room_or_forced_tokens_the_row_keeps_its_own_drafts(tok: T
     row = res.rows[0]
     assert not row.ff_tokens and not row.forced_drafts
     assert row.accepted_drafts == len(name) and row.mask_rows == 1 + len(name)
+
+
+async def test_forced_drafts_never_exceed_the_room(tok: Tokenizer) -> None:
+    s = Session(runtime(tok))
+    long_value = "lorem ipsum dolor " * 200  # a long literal the grammar forces
+    o = await s.open(
+        grammar_pb2.Open(
+            request_id="r",
+            constraint=common_pb2.Constraint(json_schema=json.dumps({"const": long_value})),
+            tokenizer=tok.fingerprint.to_proto(),
+            options=grammar_pb2.RequestOptions(jump_forward=True),
+        )
+    )
+    assert not o.HasField("error")
+    row = step(s, [], 0, [], room=2).rows[0]
+    assert row.status == OK and row.ff_tokens
+    assert len(row.forced_drafts) <= 2 and row.mask_rows == 1 + row.accepted_drafts
+    forced = spelled(tok, list(row.ff_tokens)) + spelled(tok, list(row.forced_drafts))
+    assert json.dumps(long_value).encode().startswith(forced)
