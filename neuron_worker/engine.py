@@ -9,9 +9,11 @@ One decode step, for the running requests (each holds the token it sampled last,
     reorder + unpack + mask + sample                      (device thread, compiled sampler)
     append, detokenize, stop checks, stream deltas        (event loop)
 
-With `--speculative ngram`, a step where some request has draft tokens runs as named stages
-instead (`_speculate`): plan drafts -> grammar checks them (serial) -> one verification forward
-over pending + forced + kept drafts -> sample every position -> commit the accepted run.
+With `--speculative ngram`, a step where some request has draft tokens (or, without overlap, any
+step with a constrained row: the grammar may draft what it forces) runs as named stages instead
+(`_speculate`): plan drafts -> grammar checks them and adds its forced drafts (serial) -> one
+verification forward over pending + forced + kept drafts -> sample every position -> commit the
+accepted run.
 
 New requests join between steps: their grammar answers its first Step before the prefill, so the
 prompt and the grammar's initial forced tokens go through the model in one prefill pass. Requests
