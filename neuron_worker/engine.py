@@ -136,6 +136,7 @@ class Engine:
         self.lost: str | None = None  # why the device can no longer serve (`device_lost`)
         self.on_lost: Callable[[str], None] | None = None  # told once, on the event loop
         self._bytes_of: dict[int, bytes] = {}
+        self._opening = 0  # submit calls still opening their grammars
 
     def _token_bytes(self, token: int) -> bytes:
         """A token's bytes, cached: the text drafter reads every token of every history."""
@@ -222,6 +223,7 @@ class Engine:
         self._check_queue(len(reqs))
         warnings: list[str] = []
         opened: list[Request] = []
+        self._opening += 1
         try:
             for req in reqs:
                 if req.constraint is not None:
@@ -234,6 +236,9 @@ class Engine:
                 if self.grammar is not None and req.grammar is not None:
                     self.grammar.close(req.grammar)
             raise
+        finally:
+            self._opening -= 1
+            self._wake.set()  # an admission wait may be holding on for this one (failed or not)
         for req in reqs:
             self.scheduler.enqueue(req)
             self.requests[req.request_id] = req
@@ -348,9 +353,11 @@ class Engine:
 
     async def _gather_arrivals(self) -> None:
         """From idle, hold the first arrival until requests stop coming (`admit_quiet_s` without
-        one, `admit_window_s` at most, or a full batch), so that requests sent together share
-        one prefill. Without it the first prompt's prefill takes both cores at once, and the
-        rest, slowed down on their way in, wait for it and then need a pass of their own."""
+        one while no other is still opening its grammar, `admit_window_s` at most, or a full
+        batch), so that requests sent together share one prefill. Without it the first prompt's
+        prefill takes both cores at once, and the rest, slowed down on their way in, wait for
+        it and then need a pass of their own. Grammar opens (a compile, or a cache hit and the
+        first mask) can each take longer than the quiet gap on a busy host."""
         cfg = self.config
         if cfg.admit_window_s <= 0 or self.scheduler.running or not self.scheduler.waiting:
             return
@@ -363,7 +370,8 @@ class Engine:
             try:
                 await asyncio.wait_for(self._wake.wait(), min(cfg.admit_quiet_s, remaining))
             except TimeoutError:
-                return
+                if not self._opening:
+                    return
 
     def _reap_aborted(self) -> None:
         for req in list(self.scheduler.running):

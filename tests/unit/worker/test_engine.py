@@ -106,8 +106,10 @@ class FakeGrammar:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.live: dict[str, int] = {}
+        self.open_s: dict[str, float] = {}  # request id -> how long its open takes
 
     async def open(self, req: GrammarRequest) -> list[str]:
+        await asyncio.sleep(self.open_s.get(req.request_id, 0.0))
         if req.constraint.regex == "bad":
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "bad", [("constraint.regex", "bad")])
         self.live[req.request_id] = 0
@@ -295,6 +297,36 @@ async def test_requests_sent_together_share_one_prefill(window_s: float) -> None
     assert model.rows_per_pass[0] == (3 if window_s else 1)
     for r, (ids, _, _) in zip(reqs, results, strict=True):
         assert ids == reference(r.prompt, 12, r.constrained, 9), r.request_id
+
+
+async def test_the_admission_wait_holds_on_for_grammars_still_opening() -> None:
+    """Requests sent together whose grammars take longer to open than the quiet gap (one after
+    another on a busy host) still share one prefill: the wait holds on while a submit is
+    opening its grammar, failed opens included."""
+    engine, model = make_engine(overlap=False, admit_window_s=5.0, admit_quiet_s=0.05)
+    assert isinstance(engine.grammar, FakeGrammar)
+    reqs = [request(i, constrained=True) for i in range(3)]
+    for i, r in enumerate(reqs):
+        engine.grammar.open_s[r.request_id] = 0.15 * i  # 3x the quiet gap apart
+    bad = request(3, constrained=True)
+    bad.constraint = common_pb2.Constraint(regex="bad")
+    engine.grammar.open_s[bad.request_id] = 0.4
+    await engine.start()
+    try:
+
+        async def submit(r: Request) -> tuple[list[int], str, worker_pb2.GenerateResponse]:
+            await engine.submit(r)
+            return await collect(r)
+
+        tasks = [asyncio.create_task(submit(r)) for r in reqs]
+        with pytest.raises(RpcError):
+            await engine.submit(bad)
+        results = await asyncio.gather(*tasks)
+    finally:
+        await engine.stop()
+    assert model.rows_per_pass[0] == 3
+    for r, (ids, _, _) in zip(reqs, results, strict=True):
+        assert ids == reference(r.prompt, 12, True, 9), r.request_id
 
 
 async def test_the_admission_wait_ends_when_arrivals_stop() -> None:
