@@ -147,13 +147,21 @@ class Tokenizer:
         return bytes(self.ll.decode_bytes(ids))
 
     def token_bytes(self, token_id: int) -> bytes:
+        """One token's bytes (from the table of every token's, for ids in the vocabulary)."""
+        if 0 <= token_id < self.vocab_size:
+            return self.vocab_bytes[token_id]
         return bytes(self.ll.decode_bytes([token_id]))
+
+    @functools.cached_property
+    def vocab_bytes(self) -> list[bytes]:
+        """Every token's bytes, by id: built once (the fingerprint needs them all anyway), so
+        that per-token look-ups on the step path (detokenizing, drafting) are list indexing."""
+        return [bytes(self.ll.decode_bytes([i])) for i in range(self.vocab_size)]
 
     @functools.cached_property
     def fingerprint(self) -> Fingerprint:
         h = hashlib.sha256()
-        for i in range(self.vocab_size):
-            b = self.token_bytes(i)
+        for b in self.vocab_bytes:
             h.update(struct.pack("<I", len(b)))
             h.update(b)
         return Fingerprint(self.vocab_size, h.digest(), tuple(self.eos_token_ids))

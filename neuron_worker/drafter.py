@@ -27,7 +27,7 @@ from typing import Literal, Protocol
 
 DraftMatch = Literal["text", "tokens"]
 # Suffix lengths matched by default: tokens for `tokens`, bytes of text for `text`.
-DEFAULT_SIZES: dict[str, tuple[int, int]] = {"tokens": (1, 4), "text": (2, 64)}
+DEFAULT_SIZES: dict[DraftMatch, tuple[int, int]] = {"tokens": (1, 4), "text": (2, 64)}
 
 
 @dataclass(frozen=True)

@@ -135,15 +135,7 @@ class Engine:
         self.draining = False
         self.lost: str | None = None  # why the device can no longer serve (`device_lost`)
         self.on_lost: Callable[[str], None] | None = None  # told once, on the event loop
-        self._bytes_of: dict[int, bytes] = {}
         self._opening = 0  # submit calls still opening their grammars
-
-    def _token_bytes(self, token: int) -> bytes:
-        """A token's bytes, cached: the text drafter reads every token of every history."""
-        b = self._bytes_of.get(token)
-        if b is None:
-            b = self._bytes_of[token] = self.tokenizer.token_bytes(token)
-        return b
 
     @property
     def occurrences(self) -> OccurrenceTable | None:
@@ -583,7 +575,7 @@ class Engine:
             if not r.speculate:
                 continue
             if r.drafter is None:
-                r.drafter = new_drafter(spec, self._token_bytes, self.tokenizer.encode)
+                r.drafter = new_drafter(spec, self.tokenizer.token_bytes, self.tokenizer.encode)
                 r.budget = DraftBudget(spec)
             assert r.budget is not None
             _sync_history(r.drafter, r)
@@ -624,13 +616,14 @@ class Engine:
         spec = self.config.speculative
         assert spec is not None
         room = [
-            min(spec.num_draft_tokens, self._room(r) - 1) if r.speculate else 0 for r in constrained
+            max(0, min(spec.num_draft_tokens, self._room(r) - 1)) if r.speculate else 0
+            for r in constrained
         ]
         task = asyncio.create_task(
             self.grammar.step(
                 entries,
                 drafts=[drafts.get(r, []) for r in constrained],
-                forced_draft_room=[max(0, n) for n in room],
+                forced_draft_room=room,
             )
         )
         return await self._await_grammar(task, constrained)

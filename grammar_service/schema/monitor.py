@@ -79,7 +79,7 @@ def token_classes(tok: Tokenizer) -> TokenClasses:
     key = tok.fingerprint.tokens_sha256
     found = _CLASSES.get(key)
     if found is None:
-        data = [tok.token_bytes(i) for i in range(tok.vocab_size)]
+        data = tok.vocab_bytes
         special = np.array(
             [bool(tok.ll.is_special_token(i)) for i in range(tok.vocab_size)], dtype=bool
         )
