@@ -113,6 +113,11 @@ def resolve(
         resolved_dtype = torch.bfloat16 if native_bf16(device) else torch.float32
     else:
         resolved_dtype = DTYPES[dtype]
+        if resolved_dtype == torch.bfloat16 and device == "cpu" and not native_bf16(device):
+            log.warning(
+                "--dtype bfloat16 on a CPU without native bf16 (no AVX512-BF16 or AMX): bf16 "
+                "matmuls are emulated here and run slower than fp32 (`--dtype auto` picks fp32)"
+            )
     compiled = compile if compile is not None else device in ("cpu", "cuda")
     if quantize == "auto":
         quantize = (

@@ -75,12 +75,14 @@ def own_int4_kernel(weight: Tensor) -> bool:
 
 
 def can_pack(weight: Tensor) -> bool:
-    """Whether oneDNN prepacking applies: bf16 weights on a CPU with oneDNN (fp32 matmuls run
-    as well through MKL unpacked)."""
+    """Whether oneDNN prepacking applies: bf16 weights on a CPU whose oneDNN has a bf16 path
+    (AVX512 or AMX; on an AVX2-only CPU the reorder raises, and bf16 layers run unpacked).
+    fp32 matmuls run as well through MKL unpacked."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 

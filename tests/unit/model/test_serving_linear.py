@@ -44,6 +44,17 @@ def test_packed_bf16_matches_a_plain_linear() -> None:
     torch.testing.assert_close(layer(x), nn.functional.linear(x, w, b), **BF16)
 
 
+def test_a_bf16_layer_builds_on_a_cpu_without_native_bf16_too() -> None:
+    # oneDNN's bf16 reorder raises on an AVX2-only CPU: such a layer must run unpacked, not
+    # stop the worker from loading (`--dtype bfloat16` there crashed the worker at start).
+    w = weight().bfloat16()
+    layer = ServingLinear(w, None, quantize="int4")
+    native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert (layer.handle is not None) == (native and torch.backends.mkldnn.is_available())
+    x = torch.randn(3, 64).bfloat16()
+    torch.testing.assert_close(layer(x), nn.functional.linear(x, w), **BF16)
+
+
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
 def test_generated_tokens_take_the_quantized_weight_and_prompts_the_dense_one(scheme: str) -> None:
     w = weight().bfloat16()
