@@ -31,17 +31,33 @@ def assert_valid(r: Result) -> None:
     jsonschema.validate(json.loads(r.text), LIST_SCHEMA)
 
 
-def start_constrained(stub: worker_pb2_grpc.WorkerStub, n: int) -> list[asyncio.Task[Result]]:
-    return [
-        asyncio.create_task(
-            generate(stub, chat(f"Three people as JSON, set {i}."), LIST_CONSTRAINT, max_tokens=120)
+class Constrained(list[asyncio.Task[Result]]):
+    """Running requests, each with an event set when its first tokens arrive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started: list[asyncio.Event] = []
+
+
+def start_constrained(stub: worker_pb2_grpc.WorkerStub, n: int) -> Constrained:
+    out = Constrained()
+    for i in range(n):
+        started = asyncio.Event()
+        prompt = chat(f"Three people as JSON, set {i}.")
+        out.append(
+            asyncio.create_task(
+                generate(stub, prompt, LIST_CONSTRAINT, max_tokens=120, started=started)
+            )
         )
-        for i in range(n)
-    ]
+        out.started.append(started)
+    return out
 
 
-async def first_tokens(tasks: list[asyncio.Task[Result]], seconds: float = 1.5) -> None:
-    """Let generation get going (and check nothing has finished yet)."""
+async def first_tokens(tasks: Constrained, seconds: float = 0.5) -> None:
+    """Wait until every request has streamed tokens (its grammar has answered steps: a fault
+    then lands mid-generation, however loaded the host), then `seconds` more; check that none
+    has finished yet."""
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in tasks.started)), 120)
     await asyncio.sleep(seconds)
     assert not any(t.done() for t in tasks), "requests finished before the fault"
 

@@ -35,7 +35,7 @@ async def test_stalled_grammar_fails_constrained_requests_only(
             )
             for i in range(2)
         ]
-        await first_tokens(constrained, 1.0)
+        await first_tokens(constrained)
         gs.kill(signal.SIGSTOP)
         try:
             # Bounded: the per-step deadline must end them, not this test's timeout.

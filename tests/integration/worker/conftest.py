@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from dataclasses import dataclass, field
@@ -129,8 +130,10 @@ async def generate(
     constraint: common_pb2.Constraint | None = None,
     *,
     disable_speculation: bool = False,
+    started: asyncio.Event | None = None,
     **sampling: Any,
 ) -> Result:
+    """Run one request to its end; `started` is set when its first tokens arrive."""
     sampling.setdefault("max_tokens", 48)
     req = worker_pb2.GenerateRequest(
         text=prompt,
@@ -140,7 +143,11 @@ async def generate(
     if constraint is not None:
         req.constraint.CopyFrom(constraint)
     text, ids = "", []
-    messages = [msg async for msg in stub.Generate(req)]
+    messages = []
+    async for msg in stub.Generate(req):
+        messages.append(msg)
+        if started is not None and msg.token_ids:
+            started.set()
     for msg in messages:
         text += msg.text
         ids += list(msg.token_ids)

@@ -48,7 +48,7 @@ async def test_stalled_replica_fails_its_requests_only(
         free = asyncio.create_task(
             generate(stub, "The capital of France is", max_tokens=30, ignore_eos=True)
         )
-        await first_tokens(tasks, 1.0)
+        await first_tokens(tasks)
         stalled = busiest_first(replicas)[0]  # it holds at least one request
         held = int(live_requests(stalled))
         stalled.kill(signal.SIGSTOP)
