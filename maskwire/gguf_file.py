@@ -30,7 +30,8 @@ _SCALARS = {
     12: "<d",
 }
 _STRING, _ARRAY = 8, 9
-Q4_1 = 3  # ggml type id
+Q4_1 = 3  # ggml type ids
+Q8_0 = 8
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,17 @@ class GGUFTensor:
         # ggml packs element j in the low nibble and element j + 16 in the high one.
         q = np.concatenate((packed & 0x0F, packed >> 4), axis=-1).reshape(rows, cols)
         return q, scale, low
+
+    def q8_0_blocks(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """A Q8_0 tensor's own numbers, `w = scale * q` per block of 32 along a row: (q int8
+        [rows, cols], scale float32 [rows, cols/32]); None for other types."""
+        if self.ggml_type != Q8_0 or len(self.shape) != 2:
+            return None
+        rows, cols = self.shape
+        blocks = self.data.reshape(rows, cols // 32, 34)
+        scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        q = blocks[..., 2:34].copy().view(np.int8).reshape(rows, cols)
+        return q, scale
 
 
 class GGUFFile:

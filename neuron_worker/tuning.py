@@ -3,7 +3,8 @@
 The defaults are the fast configuration (what `maskwire up` runs and the benchmarks measure):
 compiled graphs, bf16 where the CPU computes it natively (fp32 elsewhere), 4-bit weights for
 decode when the checkpoint's weights are 4-bit already (a Q4_1 GGUF: the quantized model is then
-the checkpoint itself), and a compile cache that survives restarts. Every choice is logged, and
+the checkpoint itself) and the CPU runs a 4-bit kernel for the chosen dtype (bf16: aten's or the
+worker's own; fp32: the worker's own, AVX2), and a compile cache that survives restarts. Every choice is logged, and
 each has a flag that overrides it (eager and fp32 stay available for debugging and for the tests
 that compare with transformers).
 """
@@ -24,6 +25,7 @@ import torch._inductor.config
 
 from maskwire.gguf_file import Q4_1, GGUFFile
 from maskwire.tokenizer import TokenizerLoadError, resolve_spec
+from neuron_worker import kernels
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,15 @@ def native_bf16(device: str) -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def fast_int4(dtype: torch.dtype) -> bool:
+    """Whether 4-bit decode beats dense weights on this CPU for `dtype` activations: bf16 (native
+    here, else fp32 would have been chosen), or fp32 where the worker's AVX2 kernel runs (aten's
+    fp32 int4 path is scalar, ~14x slower than it)."""
+    return dtype == torch.bfloat16 or (
+        dtype == torch.float32 and kernels.cpu_kernel_set() is not None
+    )
 
 
 def q4_checkpoint(spec: str) -> bool:
@@ -122,13 +133,13 @@ def resolve(
     if quantize == "auto":
         quantize = (
             "int4"
-            if device == "cpu" and resolved_dtype == torch.bfloat16 and q4_checkpoint(spec)
+            if device == "cpu" and fast_int4(resolved_dtype) and q4_checkpoint(spec)
             else "none"
         )
     elif quantize != "none" and device != "cpu":
         raise SystemExit(f"--quantize {quantize} needs --device cpu (its kernels are CPU ones)")
-    if quantize != "none" and resolved_dtype != torch.bfloat16:
-        raise SystemExit(f"--quantize {quantize} needs bfloat16 activations (--dtype bfloat16)")
+    if quantize != "none" and resolved_dtype not in (torch.bfloat16, torch.float32):
+        raise SystemExit(f"--quantize {quantize} needs bfloat16 or float32 activations")
     cache: Path | None = None
     if compiled and compile_cache != "":
         cache = Path(compile_cache) if compile_cache else default_compile_cache()

@@ -1,15 +1,18 @@
-"""The worker's own CPU kernels (bf16), compiled from C++ at first use and cached on disk.
+"""The worker's own CPU kernels, compiled from C++ at first use and cached on disk.
 
-* `int4_matmul.cpp`: 4-bit weights times bf16 activations for decode passes of up to 8 rows in
-  one read of the weights.
-* `decode_attention.cpp`: attention for passes of one token per row, reading each row's KV cache
-  slot in place.
+* `int4_matmul.cpp` (AVX512-BF16): 4-bit weights times bf16 activations for decode passes of up
+  to 8 rows in one read of the weights.
+* `decode_attention.cpp` (AVX512-BF16): attention for passes of one token per row, reading each
+  row's KV cache slot in place.
+* `matmul_f32.cpp` (AVX2 + FMA): 4- and 8-bit weights (llama.cpp's Q4_1 and Q8_0 blocks) times
+  fp32 activations, the same idea for CPUs where bf16 is emulated and the worker runs fp32.
 
-Each file's header says how. Both split their work over torch's intra-op threads
+Each file's header says how. The library holds the files the CPU can run (`KERNEL_SETS`: all three
+on AVX512-BF16, the fp32 matmul on AVX2). They split their work over torch's intra-op threads
 (`at::parallel_for`, which is serial unless the library is built with `-fopenmp`; it then shares
-the OpenMP runtime torch has loaded). They need a C++ compiler (inductor already does) and a CPU
-with AVX512-BF16; where either is missing, or `MASKWIRE_KERNELS=0` is set, `available()` is False
-(the reason logged once) and the worker uses aten's int4 kernel and SDPA instead.
+the OpenMP runtime torch has loaded). They need a C++ compiler (inductor already does); where it
+or the CPU features are missing, or `MASKWIRE_KERNELS=0` is set, `available()` is False (the
+reason logged once) and the worker uses aten's int4 kernel and SDPA instead.
 
 The shared object is built into `<compile cache>/kernels/` (`set_kernel_dir`, which the worker
 calls with its `--compile-cache`), named by a hash of the sources, the torch version and the
@@ -26,36 +29,54 @@ import subprocess
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from neuron_worker.tuning import default_compile_cache
-
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("int4_matmul.cpp", "decode_attention.cpp"))
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+_HERE = Path(__file__).parent
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """The sources one kind of CPU runs, and the flags they need (from /proc/cpuinfo, for g++)."""
+
+    name: str
+    cpu_flags: tuple[str, ...]
+    sources: tuple[Path, ...]
+    isa_flags: tuple[str, ...]
+    bf16: bool  # the bf16 kernels (int4_matmul, decode_attention) are in it
+
+
+KERNEL_SETS = (
+    KernelSet(
+        "avx512-bf16",
+        ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+        tuple(_HERE / n for n in ("int4_matmul.cpp", "decode_attention.cpp", "matmul_f32.cpp")),
+        ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
+        bf16=True,
+    ),
+    KernelSet("avx2", ("avx2", "fma"), (_HERE / "matmul_f32.cpp",), ("-mavx2", "-mfma"), False),
+)
 CXX_FLAGS = (
     "-O3",
     "-std=c++17",
     "-shared",
     "-fPIC",
-    "-w",  # torch's headers warn under -std=c++17 with newer torch; the kernel itself is clean
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512bf16",
-    "-mfma",
+    "-w",  # torch's headers warn under -std=c++17 with newer torch; the kernels themselves are clean
     "-fopenmp",  # without it `at::parallel_for` compiles to a serial loop
 )
 BLOCK, GROUP = 16, 32
+BLOCK_F32 = 8
 DISABLE_ENV = "MASKWIRE_KERNELS"
 
 _lock = threading.Lock()
 _kernel_dir: Path | None = None
-_state: bool | None = None  # None: not tried yet
+_loaded: KernelSet | None = None
+_tried = False
 
 
 def set_kernel_dir(path: Path | None) -> None:
@@ -66,42 +87,61 @@ def set_kernel_dir(path: Path | None) -> None:
 
 def available() -> bool:
     """Whether the kernels are usable here: built (or found) and loaded on the first call."""
-    global _state
+    return _load() is not None
+
+
+def bf16_available() -> bool:
+    """Whether the bf16 kernels (`int4_matmul`, `decode_attention`) are loaded (AVX512-BF16)."""
+    loaded = _load()
+    return loaded is not None and loaded.bf16
+
+
+def _load() -> KernelSet | None:
+    global _loaded, _tried
     with _lock:
-        if _state is None:
-            reason = _unavailable_reason()
-            if reason is None:
+        if not _tried:
+            _tried = True
+            chosen, reason = _choose()
+            if chosen is not None:
                 try:
-                    torch.ops.load_library(str(_build_somewhere()))
-                    _register_fake()
+                    torch.ops.load_library(str(_build_somewhere(chosen)))
+                    _register_fake(chosen)
+                    _loaded = chosen
                 except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                     reason = f"could not build them: {exc}"
-            if reason is not None:
+            if _loaded is None:
                 log.warning(
                     "maskwire kernels unavailable (%s); using aten's int4 kernel and SDPA", reason
                 )
-            _state = reason is None
-        return _state
+        return _loaded
 
 
-def _build_somewhere() -> Path:
+def _build_somewhere(kernel_set: KernelSet) -> Path:
     """Build into the kernel directory, or into a temporary one where that is not writable (a
     read-only cache volume): the kernels then cost a build at every start, not the speed."""
+    from neuron_worker.tuning import default_compile_cache  # tuning asks this module first
+
     directory = _kernel_dir or default_compile_cache() / "kernels"
     try:
-        return build(directory)
+        return build(directory, kernel_set)
     except PermissionError as exc:
         log.warning(
             "kernel directory %s not writable (%s); building in a temporary one", directory, exc
         )
-        return build(Path(tempfile.mkdtemp(prefix="maskwire-kernels-")))
+        return build(Path(tempfile.mkdtemp(prefix="maskwire-kernels-")), kernel_set)
 
 
-def _unavailable_reason() -> str | None:
+def cpu_kernel_set() -> KernelSet | None:
+    """The richest kernel set this CPU runs (from its flags; nothing is built)."""
+    return _choose()[0]
+
+
+def _choose() -> tuple[KernelSet | None, str]:
+    """The kernel set to build here, or None and why not."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
-        return f"{DISABLE_ENV}=0"
+        return None, f"{DISABLE_ENV}=0"
     if sys.platform != "linux":
-        return "not Linux"
+        return None, "not Linux"
     try:
         flags = set()
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -109,13 +149,16 @@ def _unavailable_reason() -> str | None:
                 flags = set(line.split(":", 1)[1].split())
                 break
     except OSError as exc:
-        return f"cannot read the CPU flags: {exc}"
-    missing = [f for f in CPU_FLAGS if f not in flags]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
+        return None, f"cannot read the CPU flags: {exc}"
+    runnable = [s for s in KERNEL_SETS if all(f in flags for f in s.cpu_flags)]
+    if not runnable:
+        return (
+            None,
+            f"the CPU lacks {', '.join(f for f in KERNEL_SETS[-1].cpu_flags if f not in flags)}",
+        )
     if compiler() is None:
-        return "no C++ compiler (set CXX)"
-    return None
+        return None, "no C++ compiler (set CXX)"
+    return runnable[0], ""
 
 
 def compiler() -> str | None:
@@ -123,8 +166,8 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
 
-def build(directory: Path) -> Path:
-    """Compile the kernels into `directory` unless they are there already; returns the .so path.
+def build(directory: Path, kernel_set: KernelSet = KERNEL_SETS[0]) -> Path:
+    """Compile `kernel_set` into `directory` unless it is there already; returns the .so path.
 
     Concurrent builders (tensor-parallel ranks, test workers) each compile into a private file
     and rename it into place, so a reader never loads a half-written library."""
@@ -134,11 +177,14 @@ def build(directory: Path) -> Path:
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    flags = [*CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    flags = [*CXX_FLAGS, *kernel_set.isa_flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    sources = [str(s) for s in kernel_set.sources]
     key = hashlib.sha256(
-        "\n".join([*(s.read_text() for s in SOURCES), torch.__version__, cxx, *flags]).encode()
+        "\n".join(
+            [*(s.read_text() for s in kernel_set.sources), *sources, torch.__version__, cxx, *flags]
+        ).encode()
     ).hexdigest()[:16]
-    target = directory / f"maskwire_kernels-{key}.so"
+    target = directory / f"maskwire_kernels-{kernel_set.name}-{key}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
@@ -147,7 +193,6 @@ def build(directory: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        sources = [str(s) for s in SOURCES]
         cmd = [cxx, *flags, *includes, *sources, *libs, "-lc10", "-ltorch_cpu", "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
@@ -156,11 +201,20 @@ def build(directory: Path) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built the maskwire kernels: %s", target)
+    log.info("built the maskwire kernels (%s): %s", kernel_set.name, target)
     return target
 
 
-def _register_fake() -> None:
+def _register_fake(kernel_set: KernelSet) -> None:
+    for op in ("int4_matmul_f32", "int8_matmul_f32"):
+
+        @torch.library.register_fake(f"maskwire_kernels::{op}")
+        def _matmul_f32_shape(x: Tensor, w: Tensor, params: Tensor) -> Tensor:
+            return x.new_empty(x.shape[0], w.shape[0] * BLOCK_F32)
+
+    if not kernel_set.bf16:
+        return
+
     @torch.library.register_fake("maskwire_kernels::int4_matmul")
     def _matmul_shape(x: Tensor, w: Tensor, scale_zero: Tensor) -> Tensor:
         return x.new_empty(x.shape[0], w.shape[0] * BLOCK)
@@ -191,9 +245,45 @@ def pack_int4(q: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Tensor]:
     return packed.contiguous(), scale_zero.contiguous()
 
 
+def pack_int4_f32(q: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Tensor]:
+    """A Q4_1 weight (as `pack_int4` takes it) in `matmul_f32.cpp`'s layout: packed nibbles
+    [N/8, K/32, 16, 8] and fp32 scales and minimums [N/8, K/32, 2, 8]."""
+    n, k = q.shape
+    if n % BLOCK_F32 or k % GROUP:
+        raise ValueError(f"a [{n}, {k}] weight does not fit blocks of {BLOCK_F32} x {GROUP}")
+    # [block, channel, group, half, input] -> [block, group, half, input, channel]
+    halves = q.reshape(n // BLOCK_F32, BLOCK_F32, k // GROUP, 2, GROUP // 2).permute(0, 2, 3, 4, 1)
+    packed = halves[:, :, 0] | (halves[:, :, 1] << 4)  # [block, group, input j, channel]
+    per_group = torch.stack([scale.float(), low.float()])  # [2, N, K/32]
+    scale_low = per_group.reshape(2, n // BLOCK_F32, BLOCK_F32, k // GROUP).permute(1, 3, 0, 2)
+    return packed.contiguous(), scale_low.contiguous()
+
+
+def pack_int8_f32(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """A Q8_0 weight (q int8 [N, K]; scale [N, K/32]; w = scale * q) in `matmul_f32.cpp`'s
+    layout: int8 [N/8, K/32, 32, 8] and fp32 scales [N/8, K/32, 1, 8]."""
+    n, k = q.shape
+    if n % BLOCK_F32 or k % GROUP:
+        raise ValueError(f"a [{n}, {k}] weight does not fit blocks of {BLOCK_F32} x {GROUP}")
+    # [block, channel, group, input] -> [block, group, input, channel]
+    packed = q.reshape(n // BLOCK_F32, BLOCK_F32, k // GROUP, GROUP).permute(0, 2, 3, 1)
+    scales = scale.float().reshape(n // BLOCK_F32, BLOCK_F32, k // GROUP, 1).permute(0, 2, 3, 1)
+    return packed.contiguous(), scales.contiguous()
+
+
 def int4_matmul(x: Tensor, packed: Tensor, scale_zero: Tensor) -> Tensor:
     """`x @ W^T` for bf16 x [rows, K] and a `pack_int4` weight; bf16 [rows, N]."""
     return torch.ops.maskwire_kernels.int4_matmul(x, packed, scale_zero)
+
+
+def int4_matmul_f32(x: Tensor, packed: Tensor, scale_low: Tensor) -> Tensor:
+    """`x @ W^T` for fp32 x [rows, K] and a `pack_int4_f32` weight; fp32 [rows, N]."""
+    return torch.ops.maskwire_kernels.int4_matmul_f32(x, packed, scale_low)
+
+
+def int8_matmul_f32(x: Tensor, packed: Tensor, scale: Tensor) -> Tensor:
+    """`x @ W^T` for fp32 x [rows, K] and a `pack_int8_f32` weight; fp32 [rows, N]."""
+    return torch.ops.maskwire_kernels.int8_matmul_f32(x, packed, scale)
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, slots: Tensor, pos: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from maskwire.gguf_file import GGUFFile
 from neuron_worker.model.config import ModelConfig, ModelLoadError, config_from_gguf
-from neuron_worker.model.linear import Int4Weight
+from neuron_worker.model.linear import ExactWeight, Int4Weight, Int8Weight
 
 # GGUF tensor name (after `blk.{i}.`) -> canonical name (after `layers.{i}.`).
 _LAYER_NAMES = {
@@ -102,18 +102,21 @@ def load_gguf(path: Path, name: str) -> tuple[ModelConfig, dict[str, Tensor]]:
     return config, tensors
 
 
-def gguf_int4_weights(path: Path, config: ModelConfig) -> dict[str, Int4Weight]:
-    """The Q4_1 tensors of a GGUF file as stored (canonical names, Q/K rows unpermuted like the
-    float weights): the exact source of `--quantize int4`. Other tensors are not listed."""
+def gguf_quantized_weights(path: Path, config: ModelConfig) -> dict[str, ExactWeight]:
+    """The Q4_1 and Q8_0 tensors of a GGUF file as stored (canonical names, Q/K rows unpermuted
+    like the float weights): the exact source of `--quantize`'s weights. Other tensors are not
+    listed."""
     gf = GGUFFile(path)
-    out: dict[str, Int4Weight] = {}
+    out: dict[str, ExactWeight] = {}
     for t in gf.tensors.values():
         canonical = _canonical_name(t.name)
-        blocks = t.q4_1_blocks() if canonical is not None else None
-        if canonical is None or blocks is None:
+        if canonical is None:
             continue
-        q, scale, low = (torch.from_numpy(a) for a in blocks)
-        out[canonical] = Int4Weight(q, scale, low)
+        if (q4 := t.q4_1_blocks()) is not None:
+            q, scale, low = (torch.from_numpy(a) for a in q4)
+            out[canonical] = Int4Weight(q, scale, low)
+        elif (q8 := t.q8_0_blocks()) is not None:
+            out[canonical] = Int8Weight(torch.from_numpy(q8[0]), torch.from_numpy(q8[1]))
     if gf.metadata.get("general.architecture") == "llama":
         for name, w in list(out.items()):
             for key, heads in (

@@ -17,10 +17,14 @@ keep the weights as ordinary inputs and load from inductor's on-disk cache.
 int4 is groups of 32 along the input dimension with a scale and a minimum each (`w = scale * q +
 min`, q in 0..15): exactly llama.cpp's Q4_1. Weights that come from a Q4_1 GGUF (the embedded
 SmolLM2's linear layers) are taken as stored, so the 4-bit model is the checkpoint itself; other
-weights are quantized per group from their min and max. int8 is one scale per output channel.
-On a CPU with AVX512-BF16, int4 layers run the worker's own kernel (`neuron_worker.kernels`:
-one read of the weights for up to 8 rows, exact bf16 products); elsewhere aten's, which
-dequantizes per block of 4 rows.
+weights are quantized per group from their min and max. int8 is llama.cpp's Q8_0 (a scale per
+group of 32; a Q8_0 tensor, as the embedded model's embedding and tied LM head, taken as stored)
+under the worker's fp32 kernel, and one scale per output channel under aten's.
+int4 layers run the worker's own kernels where the CPU has them (`neuron_worker.kernels`: one
+read of the weights for up to 8 rows): bf16 activations with exact products on AVX512-BF16, fp32
+activations on AVX2 (where bf16 is emulated and the worker runs fp32: the 4-bit weights are then
+the checkpoint's exactly and the arithmetic fp32, only the order of the sums differs from the dense
+path). Elsewhere aten's, which dequantizes per block of 4 rows.
 """
 
 from __future__ import annotations
@@ -68,10 +72,17 @@ def _aten_int4_mm_shape(x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], scales.shape[1])
 
 
-def own_int4_kernel(weight: Tensor) -> bool:
-    """Whether an int4 layer runs `neuron_worker.kernels` (one read of the weights for up to 8
-    rows) rather than aten's kernel (blocks of 4 rows): bf16 on a CPU where it is built."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and kernels.available()
+def kernel_for(weight: Tensor, quantize: str) -> str:
+    """Which kernel a layer with this (dense) weight runs for its `quantize` form: `own-bf16`
+    (int4, bf16 activations, AVX512-BF16) or `own-f32` (int4 or int8 per group, fp32
+    activations, AVX2): `neuron_worker.kernels`' one read of the weights for up to 8 rows; else
+    `aten` (int4 dequantized per block of 4 rows, its fp32 path scalar; int8 per channel)."""
+    if weight.device.type == "cpu":
+        if quantize == "int4" and weight.dtype == torch.bfloat16 and kernels.bf16_available():
+            return "own-bf16"
+        if weight.dtype == torch.float32 and kernels.available():
+            return "own-f32"
+    return "aten"
 
 
 def can_pack(weight: Tensor) -> bool:
@@ -125,6 +136,43 @@ class Int4Weight:
         return (g * self.scale.unsqueeze(-1) + self.low.unsqueeze(-1)).reshape(n, k)
 
 
+@dataclass(frozen=True)
+class Int8Weight:
+    """A [N, K] weight as `scale * q` per group of 32 along K: llama.cpp's Q8_0."""
+
+    q: Tensor  # int8 [N, K]
+    scale: Tensor  # float32 [N, K / 32]
+
+    @classmethod
+    def from_float(cls, w: Tensor) -> Int8Weight:
+        """Quantize per group from its largest magnitude (round to nearest)."""
+        n, k = w.shape
+        if k % GROUP:
+            raise ValueError(f"int8 needs the input dimension ({k}) to be a multiple of {GROUP}")
+        g = w.detach().float().reshape(n, k // GROUP, GROUP)
+        scale = (g.abs().amax(-1) / 127).clamp(min=1e-12)
+        q = (g / scale.unsqueeze(-1)).round().clamp(-128, 127)
+        return cls(q.to(torch.int8).reshape(n, k), scale)
+
+    @classmethod
+    def cat(cls, parts: Sequence[Int8Weight]) -> Int8Weight:
+        """Row-wise concatenation (fused q/k/v, gate/up)."""
+        return cls(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+
+    def rows(self, index: Tensor) -> Int8Weight:
+        """The rows `index` in that order (llama.cpp's Q/K permutation undone)."""
+        return Int8Weight(self.q[index], self.scale[index])
+
+    def dequantize(self) -> Tensor:
+        n, k = self.q.shape
+        return (self.q.float().reshape(n, k // GROUP, GROUP) * self.scale.unsqueeze(-1)).reshape(
+            n, k
+        )
+
+
+ExactWeight = Int4Weight | Int8Weight
+
+
 def _aten_int4(source: Int4Weight, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """`source` in the layout of aten's `_weight_int4pack_mm_for_cpu`, which computes
     (q - 8) * scale + zero: zero = low + 8 * scale."""
@@ -133,6 +181,28 @@ def _aten_int4(source: Int4Weight, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     )
     zeros = source.low + 8 * source.scale
     return packed, torch.stack([source.scale.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+
+
+def _quantized_form(
+    weight: Tensor, quantize: str, kernel: str, exact: ExactWeight | None
+) -> tuple[Tensor, Tensor]:
+    """(packed weight, scales) of `weight`'s `quantize` form in `kernel`'s layout; `exact`: the
+    checkpoint's own quants of that scheme, used as they are."""
+    if quantize == "int4":
+        int4 = exact if isinstance(exact, Int4Weight) else Int4Weight.from_float(weight)
+        if kernel == "own-bf16":
+            return kernels.pack_int4(int4.q, int4.scale, int4.low)
+        if kernel == "own-f32":
+            return kernels.pack_int4_f32(int4.q, int4.scale, int4.low)
+        return _aten_int4(int4, weight.dtype)
+    if kernel == "own-f32":
+        int8 = exact if isinstance(exact, Int8Weight) else Int8Weight.from_float(weight)
+        return kernels.pack_int8_f32(int8.q, int8.scale)
+    # aten: one scale per output channel
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q8 = (w / scales.unsqueeze(1)).round().clamp(-128, 127).to(torch.int8)
+    return q8.contiguous(), scales.to(weight.dtype)
 
 
 class ServingLinear(nn.Module):
@@ -151,7 +221,7 @@ class ServingLinear(nn.Module):
         bias: Tensor | None,
         *,
         quantize: str = "none",
-        int4: Int4Weight | None = None,
+        exact: ExactWeight | None = None,
         pack: bool = True,
     ) -> None:
         super().__init__()
@@ -167,21 +237,11 @@ class ServingLinear(nn.Module):
             _PACKED.append(self.packed)
             handle = torch.tensor(len(_PACKED) - 1)
         self.register_buffer("handle", handle, persistent=False)
-        self.int4_kernel = quantize == "int4" and own_int4_kernel(weight)
-        if quantize == "int4":
-            source = int4 if int4 is not None else Int4Weight.from_float(weight)
-            if self.int4_kernel:
-                packed, scales = kernels.pack_int4(source.q, source.scale, source.low)
-            else:
-                packed, scales = _aten_int4(source, weight.dtype)
+        self.kernel = kernel_for(weight, quantize) if quantize != "none" else None
+        if self.kernel is not None:
+            packed, scales = _quantized_form(weight, quantize, self.kernel, exact)
             self.register_buffer("q_weight", packed, persistent=False)
             self.register_buffer("q_scales", scales, persistent=False)
-        elif quantize == "int8":
-            w = weight.detach().float()
-            scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-            q8 = (w / scales.unsqueeze(1)).round().clamp(-128, 127).to(torch.int8)
-            self.register_buffer("q_weight", q8.contiguous(), persistent=False)
-            self.register_buffer("q_scales", scales.to(weight.dtype), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         """The dense weight. x: [..., in_features]."""
@@ -206,8 +266,12 @@ class ServingLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _quantized(self, x: Tensor) -> Tensor:
-        if self.int4_kernel:
+        if self.kernel == "own-bf16":
             return kernels.int4_matmul(x, self.q_weight, self.q_scales)
+        if self.kernel == "own-f32" and self.quantize == "int4":
+            return kernels.int4_matmul_f32(x, self.q_weight, self.q_scales)
+        if self.kernel == "own-f32":
+            return kernels.int8_matmul_f32(x, self.q_weight, self.q_scales)
         if self.quantize == "int4":
             return aten_int4_mm(x, self.q_weight, self.q_scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.q_weight, self.q_scales)

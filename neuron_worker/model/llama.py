@@ -18,7 +18,14 @@ from torch import Tensor, nn
 
 from neuron_worker import kernels
 from neuron_worker.model.config import ModelConfig
-from neuron_worker.model.linear import Int4Weight, ServingLinear, project
+from neuron_worker.model.linear import (
+    ExactWeight,
+    Int4Weight,
+    Int8Weight,
+    ServingLinear,
+    kernel_for,
+    project,
+)
 
 
 class RMSNorm(nn.Module):
@@ -284,32 +291,36 @@ class Transformer(nn.Module):
     def use_serving_linears(
         self,
         quantize: str = "none",
-        sources: Mapping[str, Int4Weight] | None = None,
+        sources: Mapping[str, ExactWeight] | None = None,
     ) -> None:
         """Swap every projection and the LM head for `ServingLinear`s
         (`neuron_worker.model.linear`): oneDNN-prepacked bf16 weights on CPU, and with
-        `quantize` a weight-only form that `step_logits` uses (the layers, not the head); and
-        bf16 passes of one token per row attend through `neuron_worker.kernels` where built.
-        `sources`: canonical per-tensor int4 weights to use as they are (a Q4_1 GGUF's own),
-        else each is quantized from its floats."""
+        `quantize` a weight-only form that `step_logits` uses (the layers; the head too where
+        `sources` holds its quants and one of the worker's kernels runs them: the embedded
+        model's Q8_0 tied embedding under fp32); and bf16 passes of one token per row attend through `neuron_worker.kernels` where built.
+        `sources`: canonical per-tensor quantized weights to use as they are (a GGUF's own Q4_1
+        and Q8_0 tensors) where their scheme is `quantize`'s, else each is quantized from its
+        floats."""
         src = sources or {}
         weight = self.tok_embeddings.weight
         decode_kernel = (
             weight.device.type == "cpu"
             and weight.dtype == torch.bfloat16
             and self.config.head_dim % 16 == 0
-            and kernels.available()
+            and kernels.bf16_available()
         )
 
-        def fused(prefix: str, names: tuple[str, ...]) -> Int4Weight | None:
+        def fused(prefix: str, names: tuple[str, ...]) -> ExactWeight | None:
             found = [src.get(f"{prefix}{n}.weight") for n in names]
-            if any(f is None for f in found):
-                return None
-            return Int4Weight.cat([f for f in found if f is not None])
+            if all(isinstance(f, Int4Weight) for f in found):
+                return Int4Weight.cat([f for f in found if isinstance(f, Int4Weight)])
+            if all(isinstance(f, Int8Weight) for f in found):
+                return Int8Weight.cat([f for f in found if isinstance(f, Int8Weight)])
+            return None
 
-        def serving(lin: nn.Module, exact: Int4Weight | None, q: str) -> ServingLinear:
+        def serving(lin: nn.Module, exact: ExactWeight | None, q: str) -> ServingLinear:
             assert isinstance(lin, nn.Linear | ServingLinear)
-            return ServingLinear(lin.weight.detach(), lin.bias, quantize=q, int4=exact)
+            return ServingLinear(lin.weight.detach(), lin.bias, quantize=q, exact=exact)
 
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, TransformerBlock)
@@ -320,7 +331,15 @@ class Transformer(nn.Module):
             ffn.w13 = serving(ffn.w13, fused(p + "feed_forward.", ("w1", "w3")), quantize)
             ffn.w2 = serving(ffn.w2, src.get(f"{p}feed_forward.w2.weight"), quantize)
             attn.decode_kernel = decode_kernel
-        self.output = serving(self.output, None, "none")
+        # The head's quantized form only where the checkpoint stores it so (no new rounding of
+        # the logits; tied, it is the embedding's, Q8_0 in the embedded model) and one of the
+        # worker's own kernels runs it.
+        head = src.get("tok_embeddings.weight" if self.config.tie_embeddings else "output.weight")
+        scheme = "int4" if isinstance(head, Int4Weight) else "int8"
+        assert isinstance(self.output, nn.Linear | ServingLinear)
+        own = kernel_for(self.output.weight, scheme).startswith("own")
+        quantize_head = quantize != "none" and head is not None and own
+        self.output = serving(self.output, head, scheme if quantize_head else "none")
 
     @property
     def attends_in_place(self) -> bool:
@@ -447,7 +466,8 @@ class Transformer(nn.Module):
         quantized: bool,
     ) -> Tensor:
         h = self.hidden(tokens, input_pos, cache_slots, kv_positions, quantized)
-        return self.logits(h.reshape(tokens.shape[0] * tokens.shape[1], h.shape[-1])[last])
+        wanted = h.reshape(tokens.shape[0] * tokens.shape[1], h.shape[-1])[last]
+        return project(self.output, wanted, quantized).float()
 
     @property
     def quantized(self) -> bool:

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from maskwire.tokenizer import EMBEDDED_NAME, TokenizerLoadError, load_tokenizer, resolve_spec
 from neuron_worker.model.config import ModelConfig, ModelLoadError
-from neuron_worker.model.gguf_loader import gguf_int4_weights, load_gguf
+from neuron_worker.model.gguf_loader import gguf_quantized_weights, load_gguf
 from neuron_worker.model.hf_loader import load_hf, save_hf
 from neuron_worker.model.llama import Transformer
 
@@ -55,17 +55,17 @@ def load_model(
     """SPEC: 'default' (embedded SmolLM2 GGUF), a .gguf path, or a HF checkpoint dir.
 
     `serving`: the worker's linear kernels (`Transformer.use_serving_linears`: prepacked bf16
-    on CPU; with `quantize`, weight-only kernels for the passes over generated tokens; a Q4_1
-    GGUF's int4 weights are used exactly as stored). Off: plain `nn.Linear`s, the
+    on CPU; with `quantize`, weight-only kernels for the passes over generated tokens; a GGUF's
+    Q4_1 and Q8_0 weights are used exactly as stored). Off: plain `nn.Linear`s, the
     reference the tests compare with transformers."""
     config, weights = read_checkpoint(spec)
     model = build_model(config, weights, device=device, dtype=dtype)
     if serving:
         sources = None
-        if quantize == "int4":
+        if quantize != "none":
             path = resolve_spec(spec)
             if path.suffix == ".gguf":
-                sources = gguf_int4_weights(path, config)
+                sources = gguf_quantized_weights(path, config)
         model.use_serving_linears(quantize, sources)
     return model
 

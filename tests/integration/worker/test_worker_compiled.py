@@ -20,6 +20,7 @@ import jsonschema
 import pytest
 
 from maskwire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from neuron_worker.kernels import cpu_kernel_set
 from neuron_worker.tuning import native_bf16
 from tests.integration.worker.conftest import (
     CHOICES,
@@ -45,6 +46,8 @@ SETTINGS = re.compile(r"compile cache \S+: (\d+) graphs loaded from it, (\d+) co
 def expected_settings() -> str:
     if native_bf16("cpu"):
         return "worker settings: dtype bfloat16, compiled, quantize int4"
+    if cpu_kernel_set() is not None:  # the AVX2 kernel: fp32 activations, 4-bit weights
+        return "worker settings: dtype float32, compiled, quantize int4"
     return "worker settings: dtype float32, compiled, quantize none"
 
 

@@ -1,5 +1,6 @@
-"""The worker's own CPU kernels (`neuron_worker.kernels`): the int4 matmul's arithmetic and weight
-layout, decode attention against SDPA, the build cache, and the fallback where they cannot run."""
+"""The worker's own CPU kernels (`neuron_worker.kernels`): the int4 matmuls' arithmetic and weight
+layouts (bf16 and fp32 activations), decode attention against SDPA, the build cache, and the
+fallback where they cannot run."""
 
 from __future__ import annotations
 
@@ -11,22 +12,31 @@ import torch
 import torch.nn.functional as F
 
 from neuron_worker import kernels
-from neuron_worker.model.linear import Int4Weight, ServingLinear
+from neuron_worker.model.linear import Int4Weight, Int8Weight, ServingLinear
 
 needs_kernel = pytest.mark.skipif(
-    not kernels.available(), reason="no AVX512-VNNI or no C++ compiler here"
+    not kernels.bf16_available(), reason="no AVX512-BF16 or no C++ compiler here"
+)
+needs_f32_kernel = pytest.mark.skipif(
+    not kernels.available(), reason="no AVX2 + FMA or no C++ compiler here"
 )
 
 
 def test_the_kernels_build_wherever_the_cpu_and_a_compiler_allow() -> None:
     """Guards the skips below: a build that breaks fails here instead of skipping the rest."""
-    if kernels._unavailable_reason() is None:
-        assert kernels.available()
+    chosen = kernels.cpu_kernel_set()
+    if chosen is not None:
+        assert kernels.available() and kernels.bf16_available() == chosen.bf16
 
 
 def weight(n: int, k: int, seed: int = 0) -> Int4Weight:
     g = torch.Generator().manual_seed(seed)
     return Int4Weight.from_float(torch.randn(n, k, generator=g) * 0.2)
+
+
+def _q4(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    w = weight(n, k)
+    return w.q, w.scale, w.low
 
 
 def exact(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
@@ -46,7 +56,34 @@ def test_the_kernel_multiplies_bf16_activations_by_q4_1_weights(rows: int, n: in
     torch.testing.assert_close(got.double(), exact(x, w), rtol=2**-8, atol=2e-3)
 
 
-@needs_kernel
+@needs_f32_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17])
+@pytest.mark.parametrize(("n", "k"), [(8, 32), (960, 576), (64, 1536)])
+def test_the_fp32_kernel_multiplies_by_q4_1_weights_in_fp32(rows: int, n: int, k: int) -> None:
+    w = weight(n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
+    got = kernels.int4_matmul_f32(x, *kernels.pack_int4_f32(w.q, w.scale, w.low))
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    # the stored weights exactly, fp32 arithmetic: as close as the dense fp32 matmul
+    dense = x @ w.dequantize().t()
+    err, dense_err = (got.double() - exact(x, w)).abs(), (dense.double() - exact(x, w)).abs()
+    assert float(err.max()) <= 4 * float(dense_err.max()) + 1e-6
+
+
+@needs_f32_kernel
+def test_the_fp32_kernel_refuses_mismatched_inputs_and_takes_no_rows() -> None:
+    w = weight(16, 64)
+    packed = kernels.pack_int4_f32(w.q, w.scale, w.low)
+    assert kernels.int4_matmul_f32(torch.zeros(0, 64), *packed).shape == (0, 16)
+    with pytest.raises(RuntimeError, match="x has 96 inputs, the weight 64"):
+        kernels.int4_matmul_f32(torch.zeros(2, 96), *packed)
+    with pytest.raises(RuntimeError, match="x: fp32"):
+        kernels.int4_matmul_f32(torch.zeros(2, 64, dtype=torch.bfloat16), *packed)
+    with pytest.raises(ValueError, match="does not fit blocks of 8 x 32"):
+        kernels.pack_int4_f32(w.q[:12], w.scale[:12], w.low[:12])
+
+
+@needs_f32_kernel
 def test_the_kernels_run_on_torchs_intra_op_threads() -> None:
     """Built without OpenMP, `at::parallel_for` is a serial loop: the kernels then use one core
     whatever `torch.set_num_threads` says."""
@@ -58,14 +95,14 @@ def test_the_kernels_run_on_torchs_intra_op_threads() -> None:
     assert len(loaded) == 1
     assert b"GOMP_parallel" in loaded.pop().read_bytes()
     w = weight(3072, 576)
-    packed = kernels.pack_int4(w.q, w.scale, w.low)
-    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
+    packed = kernels.pack_int4_f32(w.q, w.scale, w.low)
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(3))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        serial = kernels.int4_matmul(x, *packed)
+        serial = kernels.int4_matmul_f32(x, *packed)
         torch.set_num_threads(2)
-        assert torch.equal(kernels.int4_matmul(x, *packed), serial)  # each thread: whole blocks
+        assert torch.equal(kernels.int4_matmul_f32(x, *packed), serial)  # each: whole blocks
     finally:
         torch.set_num_threads(threads)
 
@@ -100,13 +137,51 @@ def test_pack_int4_needs_blocks_of_16_outputs_and_32_inputs() -> None:
 def test_serving_linears_take_the_kernel_for_generated_tokens() -> None:
     w = (torch.randn(96, 64) * 0.2).bfloat16()
     layer = ServingLinear(w, None, quantize="int4")
-    assert layer.int4_kernel
+    assert layer.kernel == "own-bf16"
     x = torch.randn(6, 1, 64).bfloat16()
     want = exact(x.reshape(6, 64), Int4Weight.from_float(w))
     got = layer.quantized(x).reshape(6, 96).double()
     torch.testing.assert_close(got, want, rtol=2**-8, atol=1e-3)
-    # fp32 activations: aten's kernel
-    assert not ServingLinear(w.float(), None, quantize="int4").int4_kernel
+
+
+@needs_f32_kernel
+def test_fp32_serving_linears_take_the_fp32_kernel_for_generated_tokens() -> None:
+    w = torch.randn(96, 64) * 0.2
+    layer = ServingLinear(w, torch.randn(96), quantize="int4")
+    assert layer.kernel == "own-f32"
+    x = torch.randn(6, 1, 64)
+    want = exact(x.reshape(6, 64), Int4Weight.from_float(w)) + layer.bias.double()
+    torch.testing.assert_close(
+        layer.quantized(x).reshape(6, 96).double(), want, rtol=1e-5, atol=1e-5
+    )
+    assert ServingLinear(w, None, quantize="none").kernel is None
+
+
+@needs_f32_kernel
+def test_fp32_int8_layers_take_q8_0_groups_through_the_fp32_kernel() -> None:
+    w = torch.randn(96, 64) * 0.2
+    layer = ServingLinear(w, None, quantize="int8")
+    assert layer.kernel == "own-f32"
+    x = torch.randn(5, 64)
+    want = x.double() @ Int8Weight.from_float(w).dequantize().double().t()
+    torch.testing.assert_close(layer.quantized(x).double(), want, rtol=1e-5, atol=1e-5)
+    # a checkpoint's own Q8_0 quants are taken as they are, not requantized
+    stored = Int8Weight(torch.randint(-128, 128, (16, 64), dtype=torch.int8), torch.rand(16, 2))
+    layer = ServingLinear(stored.dequantize(), None, quantize="int8", exact=stored)
+    want = x.double() @ stored.dequantize().double().t()
+    torch.testing.assert_close(layer.quantized(x).double(), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_f32_kernel
+@pytest.mark.parametrize("rows", [1, 2, 8, 11])
+def test_the_fp32_kernel_multiplies_by_q8_0_weights_in_fp32(rows: int) -> None:
+    w = Int8Weight.from_float(torch.randn(40, 96, generator=torch.Generator().manual_seed(rows)))
+    x = torch.randn(rows, 96)
+    got = kernels.int8_matmul_f32(x, *kernels.pack_int8_f32(w.q, w.scale))
+    want = x.double() @ w.dequantize().double().t()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match=r"w: contiguous"):  # the int4 layout is refused
+        kernels.int8_matmul_f32(x, *kernels.pack_int4_f32(*_q4(40, 96)))
 
 
 def reference_attention(
@@ -168,14 +243,16 @@ def test_without_a_working_compiler_the_worker_falls_back_to_aten(
     with pytest.raises(RuntimeError, match="/bin/false exited with 1"):
         kernels.build(tmp_path / "fresh")
     assert not any((tmp_path / "fresh").iterdir())  # nothing half-written left behind
-    monkeypatch.setattr(kernels, "_state", None)
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setattr(kernels, "_loaded", None)
     monkeypatch.setattr(kernels, "_kernel_dir", tmp_path / "fresh")
     with caplog.at_level(logging.WARNING, logger="neuron_worker.kernels"):
         assert not kernels.available()
-    if "lacks" not in caplog.text:  # on a CPU without VNNI the flags decide first
+    if "lacks" not in caplog.text:  # on a CPU without AVX2 the flags decide first
         assert "could not build them" in caplog.text and "aten" in caplog.text
-    w = (torch.randn(32, 64) * 0.2).bfloat16()
-    assert not ServingLinear(w, None, quantize="int4").int4_kernel
+    w = torch.randn(32, 64) * 0.2
+    assert ServingLinear(w, None, quantize="int4").kernel == "aten"
+    assert ServingLinear(w.bfloat16(), None, quantize="int4").kernel == "aten"
 
 
 def test_a_read_only_kernel_directory_builds_in_a_temporary_one(
@@ -183,7 +260,7 @@ def test_a_read_only_kernel_directory_builds_in_a_temporary_one(
 ) -> None:
     tried: list[Path] = []
 
-    def build(directory: Path) -> Path:
+    def build(directory: Path, kernel_set: kernels.KernelSet) -> Path:
         tried.append(directory)
         if len(tried) == 1:
             raise PermissionError(f"{directory}: read-only file system")
@@ -192,7 +269,7 @@ def test_a_read_only_kernel_directory_builds_in_a_temporary_one(
     monkeypatch.setattr(kernels, "build", build)
     monkeypatch.setattr(kernels, "_kernel_dir", tmp_path / "volume")
     with caplog.at_level(logging.WARNING, logger="neuron_worker.kernels"):
-        built = kernels._build_somewhere()
+        built = kernels._build_somewhere(kernels.KERNEL_SETS[-1])
     assert tried[0] == tmp_path / "volume" and tried[1].name.startswith("maskwire-kernels-")
     assert built == tried[1] / "built.so" and "not writable" in caplog.text
     tried[1].rmdir()
@@ -200,5 +277,6 @@ def test_a_read_only_kernel_directory_builds_in_a_temporary_one(
 
 def test_the_environment_switch_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(kernels.DISABLE_ENV, "0")
-    monkeypatch.setattr(kernels, "_state", None)
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setattr(kernels, "_loaded", None)
     assert not kernels.available()

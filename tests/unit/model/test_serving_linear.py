@@ -1,5 +1,6 @@
 """The worker's serving linear layers: the packed bf16 kernel, weight-only int4/int8 for decode
-passes, and int4 weights taken exactly from the embedded model's Q4_1 GGUF."""
+passes, and quantized weights taken exactly from the embedded model's GGUF (Q4_1 layers, the
+Q8_0 embedding that is also its LM head)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,28 @@ import pytest
 import torch
 from torch import nn
 
-from maskwire.tokenizer import resolve_spec
+from maskwire.tokenizer import load_tokenizer, resolve_spec
+from neuron_worker import kernels
 from neuron_worker.backends import create_backend
 from neuron_worker.graphs import ForwardRunner, Pass
 from neuron_worker.model import build_model, linear
-from neuron_worker.model.gguf_loader import gguf_int4_weights, load_gguf
-from neuron_worker.model.linear import GROUP, Int4Weight, ServingLinear, can_pack, project
+from neuron_worker.model.gguf_loader import gguf_quantized_weights, load_gguf
+from neuron_worker.model.linear import (
+    GROUP,
+    Int4Weight,
+    Int8Weight,
+    ServingLinear,
+    can_pack,
+    project,
+)
+from neuron_worker.model.loader import load_model
 from tests.unit.model.tiny import SERVING, TINY, random_weights, serving_tiny
 
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
+PROMPTS = [
+    "The capital of France is",
+    "<|im_start|>user\nGive me a JSON object describing a cat.<|im_end|>\n<|im_start|>assistant\n",
+]
 
 
 def weight(n: int = 96, k: int = 64, seed: int = 0) -> torch.Tensor:
@@ -93,7 +107,7 @@ def test_aten_int4_runs_in_a_compiled_graph_of_many_rows(monkeypatch: pytest.Mon
     """Without the worker's kernel, int4 layers run aten's op, behind a custom op: inductor's own
     lowering of it inside the per-layer compile region hands the group size over as a tensor,
     which the op refuses at run time ("group size must be a scalar", torch 2.13)."""
-    monkeypatch.setattr(linear, "own_int4_kernel", lambda _: False)
+    monkeypatch.setattr(linear, "kernel_for", lambda weight, quantize: "aten")
     config = SERVING
     m = serving_tiny("int4", in_place=False)
     m.setup_caches(5, 64)
@@ -119,11 +133,52 @@ def test_aten_int4_runs_in_a_compiled_graph_of_many_rows(monkeypatch: pytest.Mon
 def test_the_embedded_models_int4_weights_are_its_q4_1_tensors_as_stored() -> None:
     path = resolve_spec("default")
     config, floats = load_gguf(path, "default")
-    exact = gguf_int4_weights(path, config)
+    exact = gguf_quantized_weights(path, config)
     name = "layers.0.attention.wq.weight"  # Q rows are permuted back like the float weights
     assert {name, "layers.0.feed_forward.w2.weight"} <= exact.keys()
-    for key in (name, "layers.3.feed_forward.w2.weight"):
+    for key in (name, "layers.3.feed_forward.w2.weight", "tok_embeddings.weight"):
         torch.testing.assert_close(exact[key].dequantize(), floats[key].float(), rtol=0, atol=1e-6)
+    assert isinstance(exact[name], Int4Weight)
+    assert isinstance(exact["tok_embeddings.weight"], Int8Weight)  # the tied LM head: Q8_0
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no AVX2 + FMA or no C++ compiler here")
+def test_fp32_decode_through_the_quantized_kernels_is_the_dense_models_greedy_output() -> None:
+    """The fp32 default where bf16 is emulated: generated tokens go through the checkpoint's own
+    4- and 8-bit weights (the head too), which are exactly the dense model's weights, so only the
+    order of the fp32 sums differs: the same greedy tokens, logits within float noise."""
+    dense = load_model("default")
+    fast = load_model("default", serving=True, quantize="int4")
+    assert fast.layers[0].attention.wqkv.kernel == "own-f32"
+    assert (fast.output.kernel, fast.output.quantize) == ("own-f32", "int8")
+    tok = load_tokenizer("default")
+    slot, kv = torch.tensor([0]), torch.arange(160)
+    for m in (dense, fast):
+        m.setup_caches(1, 160)
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids, n = tok.encode(prompt), len(tok.encode(prompt))
+            runs = []
+            for m in (dense, fast):
+                tokens, logits = (
+                    [],
+                    [
+                        m.prefill_logits(
+                            torch.tensor([ids]),
+                            torch.arange(n)[None],
+                            slot,
+                            kv,
+                            torch.tensor([n - 1]),
+                        )
+                    ],
+                )
+                for pos in range(n, n + 40):
+                    tokens.append(int(logits[-1].argmax(-1)))
+                    step = (torch.tensor([[tokens[-1]]]), torch.tensor([[pos]]), slot, kv)
+                    logits.append(m.step_logits(*step, torch.tensor([0])))
+                runs.append((tokens, torch.cat(logits[1:])))
+            assert runs[0][0] == runs[1][0], prompt
+            assert float((runs[0][1] - runs[1][1]).abs().max()) < 1e-3
 
 
 def test_a_serving_model_decodes_like_the_reference_model() -> None:

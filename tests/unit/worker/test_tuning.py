@@ -16,7 +16,7 @@ import torch
 import torch._functorch.config
 import torch._inductor.config
 
-from neuron_worker import tuning
+from neuron_worker import kernels, tuning
 from neuron_worker.tuning import damaged_entry, resolve, use_compile_cache
 
 
@@ -47,10 +47,15 @@ def test_the_default_on_a_bf16_cpu_is_compiled_bf16_int4_with_a_cache(bf16_cpu: 
     assert settings(overlap=True).overlap
 
 
-def test_without_native_bf16_the_default_is_fp32_and_unquantized(
+def test_without_native_bf16_the_default_is_fp32_with_the_avx2_int4_kernel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(tuning, "native_bf16", lambda device: False)
+    monkeypatch.setattr(kernels, "cpu_kernel_set", lambda: kernels.KERNEL_SETS[-1])
+    t = settings()
+    assert (t.dtype, t.compile, t.quantize) == (torch.float32, True, "int4")
+    # no kernel for fp32 here: aten's fp32 int4 is slower than dense weights
+    monkeypatch.setattr(kernels, "cpu_kernel_set", lambda: None)
     t = settings()
     assert (t.dtype, t.compile, t.quantize) == (torch.float32, True, "none")
 
@@ -74,8 +79,9 @@ def test_flags_override_and_contradictions_are_refused(bf16_cpu: None) -> None:
         None,
     )
     assert "eager" in t.describe() and "compile cache off" in t.describe()
-    with pytest.raises(SystemExit, match="needs bfloat16"):
-        settings(dtype="float32", quantize="int4")
+    assert settings(dtype="float32", quantize="int4").quantize == "int4"
+    with pytest.raises(SystemExit, match="needs bfloat16 or float32"):
+        settings(dtype="float16", quantize="int4")
     with pytest.raises(SystemExit, match="needs --device cpu"):
         settings(device="cuda", quantize="int8")
 

@@ -1,0 +1,185 @@
+// 4- and 8-bit weights x fp32 activations for passes of a few rows, on AVX2 + FMA CPUs.
+//
+// Where bf16 is emulated (no AVX512-BF16 or AMX) the worker runs fp32, and a decode pass reads
+// every fp32 weight (4 bytes) for a handful of rows: the time is the bytes over the memory
+// bandwidth. These kernels read llama.cpp's block formats (half a byte or a byte per weight, plus
+// fp32 parameters per 32) once for up to 8 rows, turn each quant into its exact fp32 value and
+// sum in fp32: the weights are exactly the checkpoint's, the arithmetic fp32 like the dense
+// path's (only the order of the additions differs). aten's int4 kernel has no fp32 vector path.
+//
+// Per group of 32 inputs of a row x:
+//   Q4_1 (w = scale * q + low, q in 0..15):  y += scale * sum(q x) + low * sum(x)
+//   Q8_0 (w = scale * q, q in -128..127):     y += scale * sum(q x)
+//
+// Weight layout (built by `neuron_worker.kernels.pack_int4_f32` / `pack_int8_f32`): for each block
+// of 8 output channels and each group of 32 inputs, chunks of 8 bytes, byte c of a chunk for
+// channel c. Q4_1: 16 chunks, chunk j holds input j in its low nibble and input 16 + j in its high
+// nibble. Q8_0: 32 chunks, chunk j holds input j. Widened to 32-bit lanes, a chunk (or a nibble
+// half) is one 8-channel fp32 vector. Then per block and group the fp32 parameters: Q4_1 8 scales
+// and 8 lows, Q8_0 8 scales.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 8;   // output channels per register
+constexpr int64_t kGroup = 32;  // inputs per scale
+constexpr int64_t kHalf = kGroup / 2;
+constexpr int64_t kMaxRows = 8;  // rows per pass over the weights
+
+inline __m128i chunk_at(const uint8_t* group, int64_t j) {
+  return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(group + j * kBlock));
+}
+
+struct Q4_1 {
+  static constexpr int64_t kChunks = kHalf;
+  static constexpr int64_t kParams = 2;  // scale, low
+  // Inputs j and 16 + j of the group, 8 channels each.
+  static inline void load(const uint8_t* group, int64_t j, __m256& lo, __m256& hi) {
+    const __m256i wide = _mm256_cvtepu8_epi32(chunk_at(group, j));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(0x0f)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));
+  }
+};
+
+struct Q8_0 {
+  static constexpr int64_t kChunks = kGroup;
+  static constexpr int64_t kParams = 1;  // scale
+  static inline void load(const uint8_t* group, int64_t j, __m256& lo, __m256& hi) {
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(chunk_at(group, j)));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(chunk_at(group, kHalf + j)));
+  }
+};
+
+// Output channel blocks [nb_begin, nb_end) for M rows of x (fp32 [M, k], group sums xsum).
+// Few rows: inputs j and 16 + j sum into separate registers, two dependency chains instead of
+// one, which a single row needs to keep the FMA units busy.
+template <class F, int M>
+void blocks_for_rows(const float* x, const float* xsum, int64_t k, const uint8_t* w,
+                     const float* params, int64_t nb_begin, int64_t nb_end, float* out,
+                     int64_t n) {
+  constexpr bool kSplit = M <= 2;
+  const int64_t groups = k / kGroup;
+  for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* wg = w + (nb * groups + g) * F::kChunks * kBlock;
+      const float* xg = x + g * kGroup;
+      __m256 dot[M], dot_hi[kSplit ? M : 1];
+      for (int m = 0; m < M; ++m) dot[m] = _mm256_setzero_ps();
+      if constexpr (kSplit)
+        for (int m = 0; m < M; ++m) dot_hi[m] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < kHalf; ++j) {
+        __m256 lo, hi;
+        F::load(wg, j, lo, hi);
+        for (int m = 0; m < M; ++m) {
+          dot[m] = _mm256_fmadd_ps(lo, _mm256_broadcast_ss(xg + m * k + j), dot[m]);
+          const __m256 x_hi = _mm256_broadcast_ss(xg + m * k + kHalf + j);
+          if constexpr (kSplit)
+            dot_hi[m] = _mm256_fmadd_ps(hi, x_hi, dot_hi[m]);
+          else
+            dot[m] = _mm256_fmadd_ps(hi, x_hi, dot[m]);
+        }
+      }
+      const float* p = params + (nb * groups + g) * F::kParams * kBlock;
+      const __m256 scale = _mm256_loadu_ps(p);
+      for (int m = 0; m < M; ++m) {
+        __m256 d = dot[m];
+        if constexpr (kSplit) d = _mm256_add_ps(d, dot_hi[m]);
+        acc[m] = _mm256_fmadd_ps(d, scale, acc[m]);
+        if constexpr (F::kParams == 2)
+          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * groups + g]),
+                                   _mm256_loadu_ps(p + kBlock), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) _mm256_storeu_ps(out + m * n + nb * kBlock, acc[m]);
+  }
+}
+
+using BlocksFn = void (*)(const float*, const float*, int64_t, const uint8_t*, const float*,
+                          int64_t, int64_t, float*, int64_t);
+
+template <class F>
+constexpr BlocksFn kForRows[kMaxRows + 1] = {
+    nullptr,
+    blocks_for_rows<F, 1>,
+    blocks_for_rows<F, 2>,
+    blocks_for_rows<F, 3>,
+    blocks_for_rows<F, 4>,
+    blocks_for_rows<F, 5>,
+    blocks_for_rows<F, 6>,
+    blocks_for_rows<F, 7>,
+    blocks_for_rows<F, 8>};
+
+// Sum of each group of 32 values of x (rows * groups of them).
+std::vector<float> group_sums(const float* x, int64_t count) {
+  std::vector<float> sums(count);
+  for (int64_t i = 0; i < count; ++i) {
+    __m256 s = _mm256_setzero_ps();
+    for (int64_t j = 0; j < kGroup; j += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(x + i * kGroup + j));
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    sums[i] = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+  }
+  return sums;
+}
+
+// x: fp32 [rows, K]; w: [N/8, K/32, chunks, 8] of quant_type; params: fp32 [N/8, K/32, P, 8].
+template <class F>
+at::Tensor matmul_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& params,
+                      at::ScalarType quant_type) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: fp32 [rows, K]");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == quant_type && w.size(2) == F::kChunks &&
+                  w.size(3) == kBlock && w.is_contiguous(),
+              "w: contiguous ", quant_type, " [N/8, K/32, ", F::kChunks, ", 8]");
+  TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous() &&
+                  params.sizes() == at::IntArrayRef({w.size(0), w.size(1), F::kParams, kBlock}),
+              "params: contiguous fp32 [N/8, K/32, ", F::kParams, ", 8]");
+  const int64_t rows = x.size(0), k = x.size(1), blocks = w.size(0), groups = w.size(1);
+  TORCH_CHECK(groups * kGroup == k, "x has ", k, " inputs, the weight ", groups * kGroup);
+  const int64_t n = blocks * kBlock;
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const float* xp = xc.const_data_ptr<float>();
+  const std::vector<float> xsum = group_sums(xp, F::kParams == 2 ? rows * groups : 0);
+  const auto* wp = static_cast<const uint8_t*>(w.const_data_ptr());
+  const auto* pp = params.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  for (int64_t row = 0; row < rows; row += kMaxRows) {
+    const BlocksFn fn = kForRows<F>[std::min(kMaxRows, rows - row)];
+    const float* row_sums = xsum.empty() ? nullptr : xsum.data() + row * groups;
+    // Grain 8 blocks (64 channels): even the smallest projection runs on every thread.
+    at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+      fn(xp + row * k, row_sums, k, wp, pp, b0, b1, op + row * n, n);
+    });
+  }
+  return out;
+}
+
+at::Tensor int4_matmul_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_low) {
+  return matmul_f32<Q4_1>(x, w, scale_low, at::kByte);
+}
+
+at::Tensor int8_matmul_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  return matmul_f32<Q8_0>(x, w, scale, at::kChar);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(maskwire_kernels, m) {
+  m.def("int4_matmul_f32(Tensor x, Tensor w, Tensor scale_low) -> Tensor");
+  m.def("int8_matmul_f32(Tensor x, Tensor w, Tensor scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(maskwire_kernels, CPU, m) {
+  m.impl("int4_matmul_f32", &int4_matmul_f32);
+  m.impl("int8_matmul_f32", &int8_matmul_f32);
+}
