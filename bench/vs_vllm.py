@@ -8,8 +8,9 @@ once; never part of CI); maskwire is measured through its gateway with the `open
 load hits both alike; the median of the rounds is reported with the ratios maskwire / vLLM, and
 the targets of issue 11 are checked. Run nothing else on the machine meanwhile (2 cores).
 
-Writes bench/results/vs_vllm.json and vs_vllm.png.
-Usage: python bench/vs_vllm.py [--rounds 3] [--peers ../shared/peers] [--up-args "..."]
+Writes bench/results/<name>.json and <name>.png (`--name`, default vs_vllm; the CPU's vector
+extensions are recorded, as the figures depend on them: vs_vllm_avx2 holds an AVX2-only host's).
+Usage: python bench/vs_vllm.py [--rounds 3] [--peers ../shared/peers] [--up-args "..."] [--name N]
 """
 
 from __future__ import annotations
@@ -77,7 +78,13 @@ def main() -> None:
     ap.add_argument("--peers", type=Path, default=ROOT.parent / "shared" / "peers")
     ap.add_argument("--work", default=os.environ.get("PEERS_WORK", "/tmp/maskwire-peers"))
     ap.add_argument("--up-args", default="", help="extra `maskwire up` arguments")
+    ap.add_argument(
+        "--vllm-dtype",
+        default="bfloat16",
+        help="vLLM's dtype: bfloat16 (its CPU default) or float32 (faster where bf16 is emulated)",
+    )
     ap.add_argument("--skip-setup", action="store_true")
+    ap.add_argument("--name", default="vs_vllm", help="result file name (without extension)")
     a = ap.parse_args()
 
     env = {**os.environ, "PEERS_WORK": a.work}
@@ -100,6 +107,8 @@ def main() -> None:
                 "all",
                 "--tag",
                 tag,
+                "--dtype",
+                a.vllm_dtype,
             ],
             env,
             log,
@@ -146,10 +155,12 @@ def main() -> None:
         "targets": TARGETS,
         "targets_met": met,
         "up_args": a.up_args,
+        "vllm_dtype": a.vllm_dtype,
         "load_avg": os.getloadavg(),
+        "cpu": cpu_features(),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "vs_vllm.json").write_text(json.dumps(out, indent=1) + "\n")
+    (RESULTS / f"{a.name}.json").write_text(json.dumps(out, indent=1) + "\n")
     print("| figure | vLLM-cpu | maskwire | maskwire / vLLM | target |")
     print("| --- | --- | --- | --- | --- |")
     for k, (label, _, _) in FIGURES.items():
@@ -160,10 +171,23 @@ def main() -> None:
             f"| {label} | {median['vllm'][k]:.1f} | {median['maskwire'][k]:.1f} | "
             f"{ratios[k]:.2f}{mark} | {target} |"
         )
-    plot(out)
+    plot(out, RESULTS / f"{a.name}.png")
 
 
-def plot(out: dict[str, Any]) -> None:
+def cpu_features() -> dict[str, Any]:
+    """The CPU's model and the vector extensions the figures depend on."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in info.splitlines() if "model name" in ln), ""
+    )
+    flags = next(
+        (ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []
+    )
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+    return {"model": model, "cpus": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
+
+
+def plot(out: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,7 +203,7 @@ def plot(out: dict[str, Any]) -> None:
             ax.text(x, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
     fig.suptitle("maskwire (defaults, through its gateway) vs vLLM-cpu, same CPU, medians")
     fig.tight_layout()
-    fig.savefig(RESULTS / "vs_vllm.png", dpi=110)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
