@@ -76,8 +76,9 @@ def kernel_for(weight: Tensor, quantize: str) -> str:
     """Which kernel a layer with this (dense) weight runs for its `quantize` form: `own-bf16`
     (int4, bf16 activations, AVX512-BF16) or `own-f32` (int4 or int8 per group, fp32
     activations, AVX2): `neuron_worker.kernels`' one read of the weights for up to 8 rows; else
-    `aten` (int4 dequantized per block of 4 rows, its fp32 path scalar; int8 per channel)."""
-    if weight.device.type == "cpu":
+    `aten` (int4 dequantized per block of 4 rows, its fp32 path scalar; int8 per channel), also
+    for a shape that does not fit the kernels' blocks."""
+    if weight.device.type == "cpu" and kernels.fits(*weight.shape):
         if quantize == "int4" and weight.dtype == torch.bfloat16 and kernels.bf16_available():
             return "own-bf16"
         if weight.dtype == torch.float32 and kernels.available():

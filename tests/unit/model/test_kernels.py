@@ -155,6 +155,13 @@ def test_fp32_serving_linears_take_the_fp32_kernel_for_generated_tokens() -> Non
         layer.quantized(x).reshape(6, 96).double(), want, rtol=1e-5, atol=1e-5
     )
     assert ServingLinear(w, None, quantize="none").kernel is None
+    # a shape off the kernels' blocks runs aten's kernel (int8 per channel)
+    odd = torch.randn(36, 64) * 0.2
+    layer = ServingLinear(odd, None, quantize="int8")
+    assert layer.kernel == "aten"
+    torch.testing.assert_close(
+        layer.quantized(x).reshape(6, 36), x.reshape(6, 64) @ odd.t(), rtol=0.05, atol=0.05
+    )
 
 
 @needs_f32_kernel
