@@ -30,7 +30,8 @@ path). Elsewhere aten's, which dequantizes per block of 4 rows.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Self
 
 import torch
 from torch import Tensor, nn
@@ -98,8 +99,30 @@ def can_pack(weight: Tensor) -> bool:
     )
 
 
+def _groups(w: Tensor, scheme: str) -> Tensor:
+    """`w` [N, K] as fp32 groups of 32 along K: [N, K / 32, 32]."""
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"{scheme} needs the input dimension ({k}) to be a multiple of {GROUP}")
+    return w.detach().float().reshape(n, k // GROUP, GROUP)
+
+
 @dataclass(frozen=True)
-class Int4Weight:
+class _GroupQuants:
+    """Quants [N, K] with per-group parameters [N, K / 32]: every field is indexed by row."""
+
+    def rows(self, index: Tensor) -> Self:
+        """The rows `index` in that order (llama.cpp's Q/K permutation undone)."""
+        return type(self)(*(getattr(self, f.name)[index] for f in fields(self)))
+
+    @classmethod
+    def cat(cls, parts: Sequence[Self]) -> Self:
+        """Row-wise concatenation (fused q/k/v, gate/up)."""
+        return cls(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)))
+
+
+@dataclass(frozen=True)
+class Int4Weight(_GroupQuants):
     """A [N, K] weight as `scale * q + low` per group of 32 along K."""
 
     q: Tensor  # uint8 [N, K], 0..15
@@ -109,36 +132,19 @@ class Int4Weight:
     @classmethod
     def from_float(cls, w: Tensor) -> Int4Weight:
         """Quantize per group from its minimum and maximum (round to nearest)."""
-        n, k = w.shape
-        if k % GROUP:
-            raise ValueError(f"int4 needs the input dimension ({k}) to be a multiple of {GROUP}")
-        g = w.detach().float().reshape(n, k // GROUP, GROUP)
+        g = _groups(w, "int4")
         low = g.amin(-1)
         scale = ((g.amax(-1) - low) / 15).clamp(min=1e-12)
         q = ((g - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15)
-        return cls(q.to(torch.uint8).reshape(n, k), scale, low)
-
-    @classmethod
-    def cat(cls, parts: Sequence[Int4Weight]) -> Int4Weight:
-        """Row-wise concatenation (fused q/k/v, gate/up)."""
-        return cls(
-            torch.cat([p.q for p in parts]),
-            torch.cat([p.scale for p in parts]),
-            torch.cat([p.low for p in parts]),
-        )
-
-    def rows(self, index: Tensor) -> Int4Weight:
-        """The rows `index` in that order (llama.cpp's Q/K permutation undone)."""
-        return Int4Weight(self.q[index], self.scale[index], self.low[index])
+        return cls(q.to(torch.uint8).reshape(w.shape), scale, low)
 
     def dequantize(self) -> Tensor:
-        n, k = self.q.shape
-        g = self.q.float().reshape(n, k // GROUP, GROUP)
-        return (g * self.scale.unsqueeze(-1) + self.low.unsqueeze(-1)).reshape(n, k)
+        g = _groups(self.q, "int4")
+        return (g * self.scale.unsqueeze(-1) + self.low.unsqueeze(-1)).reshape(self.q.shape)
 
 
 @dataclass(frozen=True)
-class Int8Weight:
+class Int8Weight(_GroupQuants):
     """A [N, K] weight as `scale * q` per group of 32 along K: llama.cpp's Q8_0."""
 
     q: Tensor  # int8 [N, K]
@@ -147,28 +153,13 @@ class Int8Weight:
     @classmethod
     def from_float(cls, w: Tensor) -> Int8Weight:
         """Quantize per group from its largest magnitude (round to nearest)."""
-        n, k = w.shape
-        if k % GROUP:
-            raise ValueError(f"int8 needs the input dimension ({k}) to be a multiple of {GROUP}")
-        g = w.detach().float().reshape(n, k // GROUP, GROUP)
+        g = _groups(w, "int8")
         scale = (g.abs().amax(-1) / 127).clamp(min=1e-12)
         q = (g / scale.unsqueeze(-1)).round().clamp(-128, 127)
-        return cls(q.to(torch.int8).reshape(n, k), scale)
-
-    @classmethod
-    def cat(cls, parts: Sequence[Int8Weight]) -> Int8Weight:
-        """Row-wise concatenation (fused q/k/v, gate/up)."""
-        return cls(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
-
-    def rows(self, index: Tensor) -> Int8Weight:
-        """The rows `index` in that order (llama.cpp's Q/K permutation undone)."""
-        return Int8Weight(self.q[index], self.scale[index])
+        return cls(q.to(torch.int8).reshape(w.shape), scale)
 
     def dequantize(self) -> Tensor:
-        n, k = self.q.shape
-        return (self.q.float().reshape(n, k // GROUP, GROUP) * self.scale.unsqueeze(-1)).reshape(
-            n, k
-        )
+        return (_groups(self.q, "int8") * self.scale.unsqueeze(-1)).reshape(self.q.shape)
 
 
 ExactWeight = Int4Weight | Int8Weight
