@@ -166,14 +166,17 @@ def test_fp32_serving_linears_take_the_fp32_kernel_for_generated_tokens() -> Non
 
 @needs_f32_kernel
 def test_fp32_int8_layers_take_q8_0_groups_through_the_fp32_kernel() -> None:
-    w = torch.randn(96, 64) * 0.2
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(96, 64, generator=g) * 0.2
     layer = ServingLinear(w, None, quantize="int8")
     assert layer.kernel == "own-f32"
-    x = torch.randn(5, 64)
+    x = torch.randn(5, 64, generator=g)
     want = x.double() @ Int8Weight.from_float(w).dequantize().double().t()
     torch.testing.assert_close(layer.quantized(x).double(), want, rtol=1e-5, atol=1e-5)
-    # a checkpoint's own Q8_0 quants are taken as they are, not requantized
-    stored = Int8Weight(torch.randint(-128, 128, (16, 64), dtype=torch.int8), torch.rand(16, 2))
+    # a checkpoint's own Q8_0 quants are taken as they are, not requantized (with |q| <= 100,
+    # requantizing would rescale every group to 127 and move the weights)
+    q = torch.randint(-100, 101, (16, 64), dtype=torch.int8, generator=g)
+    stored = Int8Weight(q, torch.rand(16, 2, generator=g) * 0.01)
     layer = ServingLinear(stored.dequantize(), None, quantize="int8", exact=stored)
     want = x.double() @ stored.dequantize().double().t()
     torch.testing.assert_close(layer.quantized(x).double(), want, rtol=1e-5, atol=1e-5)
