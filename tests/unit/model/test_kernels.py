@@ -186,7 +186,7 @@ def test_fp32_int8_layers_take_q8_0_groups_through_the_fp32_kernel() -> None:
 @pytest.mark.parametrize("rows", [1, 2, 8, 11])
 def test_the_fp32_kernel_multiplies_by_q8_0_weights_in_fp32(rows: int) -> None:
     w = Int8Weight.from_float(torch.randn(40, 96, generator=torch.Generator().manual_seed(rows)))
-    x = torch.randn(rows, 96)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(96 + rows))
     got = kernels.int8_matmul_f32(x, *kernels.pack_int8_f32(w.q, w.scale))
     want = x.double() @ w.dequantize().double().t()
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
