@@ -58,47 +58,59 @@ struct Q8_0 {
   }
 };
 
+// The dot products of U consecutive groups (weights wg, U x 32 inputs from xg) with M rows of x,
+// each group's in one fixed order: input j, then 16 + j, for j = 0..15.
+template <class F, int M, int U>
+inline void group_dots(const uint8_t* wg, const float* xg, int64_t k, __m256 (&dot)[U][M]) {
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < M; ++m) dot[u][m] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < kHalf; ++j)
+    for (int u = 0; u < U; ++u) {
+      __m256 lo, hi;
+      F::load(wg + u * F::kChunks * kBlock, j, lo, hi);
+      const float* xu = xg + u * kGroup;
+      for (int m = 0; m < M; ++m) {
+        dot[u][m] = _mm256_fmadd_ps(lo, _mm256_broadcast_ss(xu + m * k + j), dot[u][m]);
+        dot[u][m] = _mm256_fmadd_ps(hi, _mm256_broadcast_ss(xu + m * k + kHalf + j), dot[u][m]);
+      }
+    }
+}
+
 // Output channel blocks [nb_begin, nb_end) for M rows of x (fp32 [M, k], group sums xsum).
-// Few rows: inputs j and 16 + j sum into separate registers, two dependency chains instead of
-// one, which a single row needs to keep the FMA units busy.
+// Every row's sums run in the same order whatever M is, so a row's result does not depend on how
+// many rows share the pass (greedy output does not depend on batching). Few rows: two groups in
+// flight, two dependency chains instead of one, which a single row needs to keep the FMA units
+// busy.
 template <class F, int M>
 void blocks_for_rows(const float* x, const float* xsum, int64_t k, const uint8_t* w,
                      const float* params, int64_t nb_begin, int64_t nb_end, float* out,
                      int64_t n) {
-  constexpr bool kSplit = M <= 2;
+  constexpr int U = M <= 2 ? 2 : 1;
   const int64_t groups = k / kGroup;
+  const int64_t group_bytes = F::kChunks * kBlock;
   for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
     __m256 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* wg = w + (nb * groups + g) * F::kChunks * kBlock;
-      const float* xg = x + g * kGroup;
-      __m256 dot[M], dot_hi[kSplit ? M : 1];
-      for (int m = 0; m < M; ++m) dot[m] = _mm256_setzero_ps();
-      if constexpr (kSplit)
-        for (int m = 0; m < M; ++m) dot_hi[m] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < kHalf; ++j) {
-        __m256 lo, hi;
-        F::load(wg, j, lo, hi);
-        for (int m = 0; m < M; ++m) {
-          dot[m] = _mm256_fmadd_ps(lo, _mm256_broadcast_ss(xg + m * k + j), dot[m]);
-          const __m256 x_hi = _mm256_broadcast_ss(xg + m * k + kHalf + j);
-          if constexpr (kSplit)
-            dot_hi[m] = _mm256_fmadd_ps(hi, x_hi, dot_hi[m]);
-          else
-            dot[m] = _mm256_fmadd_ps(hi, x_hi, dot[m]);
-        }
-      }
+    const auto accumulate = [&](int64_t g, const __m256* dot) {
       const float* p = params + (nb * groups + g) * F::kParams * kBlock;
       const __m256 scale = _mm256_loadu_ps(p);
       for (int m = 0; m < M; ++m) {
-        __m256 d = dot[m];
-        if constexpr (kSplit) d = _mm256_add_ps(d, dot_hi[m]);
-        acc[m] = _mm256_fmadd_ps(d, scale, acc[m]);
+        acc[m] = _mm256_fmadd_ps(dot[m], scale, acc[m]);
         if constexpr (F::kParams == 2)
           acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * groups + g]),
                                    _mm256_loadu_ps(p + kBlock), acc[m]);
       }
+    };
+    int64_t g = 0;
+    for (; g + U <= groups; g += U) {
+      __m256 dot[U][M];
+      group_dots<F, M, U>(w + (nb * groups + g) * group_bytes, x + g * kGroup, k, dot);
+      for (int u = 0; u < U; ++u) accumulate(g + u, dot[u]);
+    }
+    for (; g < groups; ++g) {
+      __m256 dot[1][M];
+      group_dots<F, M, 1>(w + (nb * groups + g) * group_bytes, x + g * kGroup, k, dot);
+      accumulate(g, dot[0]);
     }
     for (int m = 0; m < M; ++m) _mm256_storeu_ps(out + m * n + nb * kBlock, acc[m]);
   }

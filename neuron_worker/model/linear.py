@@ -88,15 +88,15 @@ def kernel_for(weight: Tensor, quantize: str) -> str:
 
 
 def can_pack(weight: Tensor) -> bool:
-    """Whether oneDNN prepacking applies: bf16 weights on a CPU whose oneDNN has a bf16 path
-    (AVX512 or AMX; on an AVX2-only CPU the reorder raises, and bf16 layers run unpacked).
-    fp32 matmuls run as well through MKL unpacked."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    """Whether oneDNN prepacking applies: fp32 weights, and bf16 ones on a CPU whose oneDNN has a
+    bf16 path (AVX512 or AMX; on an AVX2-only CPU the reorder raises, and bf16 layers run
+    unpacked). fp32 is packed for its batch invariance: MKL's unpacked sgemm takes other paths for
+    1-3, 5-7 or 9-11 rows, so a row's result would depend on how many rows share its pass."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _groups(w: Tensor, scheme: str) -> Tensor:
