@@ -6,9 +6,10 @@
   row's KV cache slot in place.
 * `matmul_f32.cpp` (AVX2 + FMA): 4- and 8-bit weights (llama.cpp's Q4_1 and Q8_0 blocks) times
   fp32 activations, the same idea for CPUs where bf16 is emulated and the worker runs fp32.
+* `decode_attention_f32.cpp` (AVX2 + FMA): the decode attention for fp32 caches.
 
-Each file's header says how. The library holds the files the CPU can run (`KERNEL_SETS`: all three
-on AVX512-BF16, the fp32 matmul on AVX2). They split their work over torch's intra-op threads
+Each file's header says how. The library holds the files the CPU can run (`KERNEL_SETS`: all four
+on AVX512-BF16, the two fp32 ones on AVX2). They split their work over torch's intra-op threads
 (`at::parallel_for`, which is serial unless the library is built with `-fopenmp`; it then shares
 the OpenMP runtime torch has loaded). They need a C++ compiler (inductor already does); where it
 or the CPU features are missing, or `MASKWIRE_KERNELS=0` is set, `available()` is False (the
@@ -51,15 +52,16 @@ class KernelSet:
     bf16: bool  # the bf16 kernels (int4_matmul, decode_attention) are in it
 
 
+F32_SOURCES = (_HERE / "matmul_f32.cpp", _HERE / "decode_attention_f32.cpp")
 KERNEL_SETS = (
     KernelSet(
         "avx512-bf16",
         ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
-        tuple(_HERE / n for n in ("int4_matmul.cpp", "decode_attention.cpp", "matmul_f32.cpp")),
+        (_HERE / "int4_matmul.cpp", _HERE / "decode_attention.cpp", *F32_SOURCES),
         ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
         bf16=True,
     ),
-    KernelSet("avx2", ("avx2", "fma"), (_HERE / "matmul_f32.cpp",), ("-mavx2", "-mfma"), False),
+    KernelSet("avx2", ("avx2", "fma"), F32_SOURCES, ("-mavx2", "-mfma"), False),
 )
 CXX_FLAGS = (
     "-O3",
@@ -94,6 +96,14 @@ def bf16_available() -> bool:
     """Whether the bf16 kernels (`int4_matmul`, `decode_attention`) are loaded (AVX512-BF16)."""
     loaded = _load()
     return loaded is not None and loaded.bf16
+
+
+def attention_available(dtype: torch.dtype) -> bool:
+    """Whether `decode_attention` runs caches of `dtype` here (fp32: AVX2; bf16: AVX512-BF16)."""
+    loaded = _load()
+    if loaded is None:
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and loaded.bf16)
 
 
 def _load() -> KernelSet | None:
@@ -212,16 +222,19 @@ def _register_fake(kernel_set: KernelSet) -> None:
         def _matmul_f32_shape(x: Tensor, w: Tensor, params: Tensor) -> Tensor:
             return x.new_empty(x.shape[0], w.shape[0] * BLOCK_F32)
 
-    if not kernel_set.bf16:
-        return
+    attentions = ["decode_attention_f32"]
+    if kernel_set.bf16:
+        attentions.append("decode_attention")
 
-    @torch.library.register_fake("maskwire_kernels::int4_matmul")
-    def _matmul_shape(x: Tensor, w: Tensor, scale_zero: Tensor) -> Tensor:
-        return x.new_empty(x.shape[0], w.shape[0] * BLOCK)
+        @torch.library.register_fake("maskwire_kernels::int4_matmul")
+        def _matmul_shape(x: Tensor, w: Tensor, scale_zero: Tensor) -> Tensor:
+            return x.new_empty(x.shape[0], w.shape[0] * BLOCK)
 
-    @torch.library.register_fake("maskwire_kernels::decode_attention")
-    def _attention_shape(q: Tensor, k: Tensor, v: Tensor, slots: Tensor, pos: Tensor) -> Tensor:
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    for op in attentions:
+
+        @torch.library.register_fake(f"maskwire_kernels::{op}")
+        def _attention_shape(q: Tensor, k: Tensor, v: Tensor, slots: Tensor, pos: Tensor) -> Tensor:
+            return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def fits(out_features: int, in_features: int) -> bool:
@@ -287,7 +300,10 @@ def int8_matmul_f32(x: Tensor, packed: Tensor, scale: Tensor) -> Tensor:
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, slots: Tensor, pos: Tensor) -> Tensor:
-    """Softmax attention of q (bf16 [B, H, R, D]; query row r is token r % T) over the cache
-    slots `slots` [B] of k, v ([slots, H, L, D] views): query (b, r) attends positions 0..pos[b,
-    r % T] (pos [B, T]; clamped to 0..L-1). Scale 1/sqrt(D), as SDPA's default."""
+    """Softmax attention of q (bf16 or fp32 [B, H, R, D], as the cache; query row r is token
+    r % T) over the cache slots `slots` [B] of k, v ([slots, H, L, D] views): query (b, r) attends
+    positions 0..pos[b, r % T] (pos [B, T]; clamped to 0..L-1). Scale 1/sqrt(D), as SDPA's
+    default. `attention_available(dtype)` says where it runs."""
+    if q.dtype == torch.float32:
+        return torch.ops.maskwire_kernels.decode_attention_f32(q, k, v, slots, pos)
     return torch.ops.maskwire_kernels.decode_attention(q, k, v, slots, pos)

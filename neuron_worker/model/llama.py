@@ -297,7 +297,8 @@ class Transformer(nn.Module):
         (`neuron_worker.model.linear`): oneDNN-prepacked bf16 weights on CPU, and with
         `quantize` a weight-only form that `step_logits` uses (the layers; the head too where
         `sources` holds its quants and one of the worker's kernels runs them: the embedded
-        model's Q8_0 tied embedding under fp32); and bf16 passes of one token per row attend through `neuron_worker.kernels` where built.
+        model's Q8_0 tied embedding under fp32); and passes of one token per row attend through
+        `neuron_worker.kernels.decode_attention` where it runs the cache's dtype.
         `sources`: canonical per-tensor quantized weights to use as they are (a GGUF's own Q4_1
         and Q8_0 tensors) where their scheme is `quantize`'s, else each is quantized from its
         floats."""
@@ -305,9 +306,8 @@ class Transformer(nn.Module):
         weight = self.tok_embeddings.weight
         decode_kernel = (
             weight.device.type == "cpu"
-            and weight.dtype == torch.bfloat16
-            and self.config.head_dim % 16 == 0
-            and kernels.bf16_available()
+            and self.config.head_dim in (32, 64, 128)
+            and kernels.attention_available(weight.dtype)
         )
 
         def fused(prefix: str, names: tuple[str, ...]) -> ExactWeight | None:

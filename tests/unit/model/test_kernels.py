@@ -71,6 +71,27 @@ def test_the_fp32_kernel_multiplies_by_q4_1_weights_in_fp32(rows: int, n: int, k
 
 
 @needs_f32_kernel
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_an_fp32_kernel_rows_result_does_not_depend_on_the_rows_beside_it(scheme: str) -> None:
+    """Greedy output must not depend on batching: each row sums in one order for any row count
+    (odd group counts too, where a single row's two groups in flight leave one over)."""
+    x = torch.randn(19, 608, generator=torch.Generator().manual_seed(5))
+    w = torch.randn(64, 608, generator=torch.Generator().manual_seed(6))
+    if scheme == "int4":
+        q4 = Int4Weight.from_float(w)
+        packed = kernels.pack_int4_f32(q4.q, q4.scale, q4.low)
+        run = kernels.int4_matmul_f32
+    else:
+        q8 = Int8Weight.from_float(w)
+        packed = kernels.pack_int8_f32(q8.q, q8.scale)
+        run = kernels.int8_matmul_f32
+    whole = run(x, *packed)
+    for rows in range(1, 19):
+        assert torch.equal(run(x[:rows], *packed), whole[:rows]), rows
+        assert torch.equal(run(x[rows:], *packed), whole[rows:]), rows
+
+
+@needs_f32_kernel
 def test_the_fp32_kernel_refuses_mismatched_inputs_and_takes_no_rows() -> None:
     w = weight(16, 64)
     packed = kernels.pack_int4_f32(w.q, w.scale, w.low)
@@ -203,36 +224,59 @@ def reference_attention(
     last = pos.clamp(0, length - 1)[:, torch.arange(rows) % tokens]  # [B, R]
     mask = torch.arange(length) <= last.unsqueeze(-1)  # [B, R, L]
     return F.scaled_dot_product_attention(
-        q.float(), k[slots].float(), v[slots].float(), attn_mask=mask.unsqueeze(1)
+        q.double(), k[slots].double(), v[slots].double(), attn_mask=mask.unsqueeze(1)
+    ).float()
+
+
+def needs_attention(dtype: torch.dtype) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(
+        not kernels.attention_available(dtype), reason=f"no decode attention for {dtype} here"
     )
 
 
-@needs_kernel
+ATTENTION_DTYPES = [
+    pytest.param(torch.bfloat16, 2e-2, marks=needs_attention(torch.bfloat16), id="bf16"),
+    pytest.param(torch.float32, 1e-5, marks=needs_attention(torch.float32), id="fp32"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), ATTENTION_DTYPES)
 @pytest.mark.parametrize(
-    ("tokens", "group", "dim"), [(1, 3, 64), (1, 1, 32), (3, 2, 64), (1, 6, 128), (2, 4, 64)]
+    ("tokens", "group", "dim", "length"),
+    [
+        (1, 3, 64, 29),
+        (1, 1, 32, 29),
+        (3, 2, 64, 29),
+        (1, 6, 128, 29),
+        (2, 4, 64, 29),
+        (1, 3, 64, 8),
+    ],
 )
 def test_decode_attention_matches_sdpa_over_each_rows_slot(
-    tokens: int, group: int, dim: int
+    dtype: torch.dtype, tolerance: float, tokens: int, group: int, dim: int, length: int
 ) -> None:
-    g = torch.Generator().manual_seed(tokens * 7 + dim)
-    heads, slots_n, cache_len, length = 3, 6, 40, 29
-    cache = torch.randn(2, slots_n, heads, cache_len, dim, generator=g).bfloat16()
+    g = torch.Generator().manual_seed(tokens * 7 + dim + length)
+    heads, slots_n, cache_len = 3, 6, 40
+    cache = torch.randn(2, slots_n, heads, cache_len, dim, generator=g).to(dtype)
     k, v = cache[0, :, :, :length], cache[1, :, :, :length]  # strided views, as the model passes
     slots = torch.tensor([4, 0, 5, 2])
     # row 1 is padding (-1: position 0 only) and row 3 reaches past the view (clamped)
     pos = torch.tensor([[10, 3, 17], [-1, -1, -1], [0, 1, 2], [28, 60, 5]])[:, :tokens]
-    q = torch.randn(4, heads, group * tokens, dim, generator=g).bfloat16()
+    q = torch.randn(4, heads, group * tokens, dim, generator=g).to(dtype)
     got = kernels.decode_attention(q, k, v, slots, pos)
-    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(
-        got.float(), reference_attention(q, k, v, slots, pos), rtol=2e-2, atol=2e-2
+        got.float(),
+        reference_attention(q, k, v, slots, pos),
+        rtol=tolerance,
+        atol=tolerance,
     )
 
 
-@needs_kernel
-def test_decode_attention_refuses_a_slot_out_of_range() -> None:
-    k = torch.zeros(2, 1, 8, 32, dtype=torch.bfloat16)
-    q = torch.zeros(1, 1, 1, 32, dtype=torch.bfloat16)
+@pytest.mark.parametrize(("dtype", "tolerance"), ATTENTION_DTYPES)
+def test_decode_attention_refuses_a_slot_out_of_range(dtype: torch.dtype, tolerance: float) -> None:
+    k = torch.zeros(2, 1, 8, 32, dtype=dtype)
+    q = torch.zeros(1, 1, 1, 32, dtype=dtype)
     with pytest.raises(RuntimeError, match="slot 2 out of range"):
         kernels.decode_attention(q, k, k, torch.tensor([2]), torch.tensor([[0]]))
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from neuron_worker import kernels
 from neuron_worker.model import ModelConfig, Transformer, build_model
 
 TINY = ModelConfig(
@@ -34,10 +35,16 @@ def tiny_config(**changes: object) -> ModelConfig:
 SERVING = tiny_config(dim=64, head_dim=32, vocab_size=128)
 
 
+def serving_dtype() -> torch.dtype:
+    """The dtype the worker serves in on this CPU: bf16 where its kernels run bf16, else fp32."""
+    return torch.bfloat16 if kernels.attention_available(torch.bfloat16) else torch.float32
+
+
 def serving_tiny(quantize: str, *, in_place: bool = True) -> Transformer:
-    """A tiny bf16 decoder with the worker's serving linears (`quantize`: "none", "int4");
+    """A tiny decoder in the worker's serving configuration for this CPU: bf16 where the kernels
+    run it (AVX512-BF16), else fp32, with the serving linears (`quantize`: "none", "int4");
     `in_place`: the test needs the decode attention kernel, skipped where it is not built."""
-    m = build_model(SERVING, random_weights(SERVING), dtype=torch.bfloat16)
+    m = build_model(SERVING, random_weights(SERVING), dtype=serving_dtype())
     m.use_serving_linears(quantize)
     if in_place and not m.attends_in_place:
         pytest.skip("the decode attention kernel is not available on this CPU")

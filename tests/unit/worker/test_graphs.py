@@ -12,7 +12,13 @@ import torch
 from neuron_worker.backends import create_backend
 from neuron_worker.graphs import MAX_FLAT_TOKENS, CompileCounter, ForwardRunner, Pass
 from neuron_worker.model import Transformer, build_model
-from tests.unit.model.tiny import SERVING, TINY, random_weights, serving_tiny, tiny_config
+from tests.unit.model.tiny import (
+    SERVING,
+    TINY,
+    random_weights,
+    serving_dtype,
+    serving_tiny,
+)
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +114,8 @@ def test_prefills_run_flat_where_attention_reads_the_cache_in_place() -> None:
     """With the decode attention kernel, a batch of prompts of different lengths runs as one
     token per row (its real tokens, the LM head for each row's last one only) and gives the
     logits of the padded grid; without it, only small passes run flat."""
-    config = tiny_config(dim=64, head_dim=32, vocab_size=128)
-    m = build_model(config, random_weights(config), dtype=torch.bfloat16)
+    config = SERVING
+    m = build_model(config, random_weights(config), dtype=serving_dtype())
     kw: dict[str, Any] = {"max_rows": 4, "max_seq": 64, "pad_slot": 7}
     assert ForwardRunner(m, create_backend("cpu"), **kw).flat_tokens == 16
     m.use_serving_linears("none")
@@ -136,7 +142,7 @@ def test_prefills_run_flat_where_attention_reads_the_cache_in_place() -> None:
         got = prefill(flat, [0, 1, 2, 3])
         want = prefill(grid, [4, 5, 6, 7])
     assert got.shape == want.shape == (4, config.vocab_size)
-    # bf16 either way, through different attention kernels: both are ~0.7 from fp32 here.
+    # through different attention kernels (bf16: both are ~0.7 from fp32 here)
     torch.testing.assert_close(got, want, rtol=0, atol=0.03 * float(want.abs().max()))
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
