@@ -201,7 +201,12 @@ def plot(out: dict[str, Any], path: Path) -> None:
         ax.set_title(FIGURES[k][0], fontsize=8)
         for x, v in enumerate(vals):
             ax.text(x, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
-    fig.suptitle("maskwire (defaults, through its gateway) vs vLLM-cpu, same CPU, medians")
+    cpu = out.get("cpu", {})
+    fig.suptitle(
+        f"maskwire (defaults, through its gateway) vs vLLM-cpu {out.get('vllm_dtype', 'bfloat16')},"
+        f" same CPU ({cpu.get('model', '?')}, {'+'.join(cpu.get('flags', []))}),"
+        f" medians of {len(out['rounds'])} rounds"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
