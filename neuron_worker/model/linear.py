@@ -9,10 +9,13 @@ jump-forward, draft verification), the dense weight for prompts. The role, not t
 decides, so a token gets the same weights (and the same logits, bit for bit) whatever else shares
 its pass: greedy output does not depend on how requests happen to be batched.
 
-Dense bf16 weights are prepacked once into oneDNN's blocked layout (what inductor's freezing would
-do, which it cannot cache: a frozen graph is recompiled at every start). The packed weight stays
-outside the graph, behind the `maskwire::packed_linear` op and an integer handle, so compiled graphs
-keep the weights as ordinary inputs and load from inductor's on-disk cache.
+Dense weights are prepacked once into oneDNN's blocked layout (what inductor's freezing would do,
+which it cannot cache: a frozen graph is recompiled at every start): bf16 where oneDNN has a bf16
+path, and fp32 always, because oneDNN computes a row the same way for any row count and MKL's
+unpacked sgemm does not (the same reason: a pass's size must not change a token's logits). The
+packed weight stays outside the graph, behind the `maskwire::packed_linear` op and an integer
+handle, so compiled graphs keep the weights as ordinary inputs and load from inductor's on-disk
+cache.
 
 int4 is groups of 32 along the input dimension with a scale and a minimum each (`w = scale * q +
 min`, q in 0..15): exactly llama.cpp's Q4_1. Weights that come from a Q4_1 GGUF (the embedded

@@ -294,7 +294,7 @@ class Transformer(nn.Module):
         sources: Mapping[str, ExactWeight] | None = None,
     ) -> None:
         """Swap every projection and the LM head for `ServingLinear`s
-        (`neuron_worker.model.linear`): oneDNN-prepacked bf16 weights on CPU, and with
+        (`neuron_worker.model.linear`): oneDNN-prepacked weights on CPU, and with
         `quantize` a weight-only form that `step_logits` uses (the layers; the head too where
         `sources` holds its quants and one of the worker's kernels runs them: the embedded
         model's Q8_0 tied embedding under fp32); and passes of one token per row attend through
