@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 # The sources a forward graph is traced from: a change in any of them changes the key.
 _SOURCE_PACKAGES = ("neuron_worker.model", "neuron_worker.kernels")
-_SOURCE_SUFFIXES = (".py", ".cpp")
+_SOURCE_SUFFIXES = (".py", ".cpp", ".h")
 # torch's own traced modules are covered by its version in the key.
 _KEYED_ELSEWHERE = ("torch.",)
 

@@ -8,15 +8,16 @@
   fp32 activations, the same idea for CPUs where bf16 is emulated and the worker runs fp32.
 * `decode_attention_f32.cpp` (AVX2 + FMA): the decode attention for fp32 caches.
 
-Each file's header says how. The library holds the files the CPU can run (`KERNEL_SETS`: all four
-on AVX512-BF16, the two fp32 ones on AVX2). They split their work over torch's intra-op threads
+Each file's header says how; `decode_attention.h` holds what the two attention files share (input
+checks, the positions each query attends, the split into tasks). The library holds the files the
+CPU can run (`KERNEL_SETS`: all four on AVX512-BF16, the two fp32 ones on AVX2). They split their work over torch's intra-op threads
 (`at::parallel_for`, which is serial unless the library is built with `-fopenmp`; it then shares
 the OpenMP runtime torch has loaded). They need a C++ compiler (inductor already does); where it
 or the CPU features are missing, or `MASKWIRE_KERNELS=0` is set, `available()` is False (the
 reason logged once) and the worker uses aten's int4 kernel and SDPA instead.
 
 The shared object is built into `<compile cache>/kernels/` (`set_kernel_dir`, which the worker
-calls with its `--compile-cache`), named by a hash of the sources, the torch version and the
+calls with its `--compile-cache`), named by a hash of the sources (headers included), the torch version and the
 compiler flags, so a restart loads it in milliseconds and an upgrade rebuilds it (~10 s).
 """
 
@@ -189,10 +190,9 @@ def build(directory: Path, kernel_set: KernelSet = KERNEL_SETS[0]) -> Path:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = [*CXX_FLAGS, *kernel_set.isa_flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     sources = [str(s) for s in kernel_set.sources]
+    texts = [s.read_text() for s in (*kernel_set.sources, *sorted(_HERE.glob("*.h")))]
     key = hashlib.sha256(
-        "\n".join(
-            [*(s.read_text() for s in kernel_set.sources), *sources, torch.__version__, cxx, *flags]
-        ).encode()
+        "\n".join([*texts, *sources, torch.__version__, cxx, *flags]).encode()
     ).hexdigest()[:16]
     target = directory / f"maskwire_kernels-{kernel_set.name}-{key}.so"
     if target.exists():

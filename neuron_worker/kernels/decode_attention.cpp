@@ -5,17 +5,15 @@
 // built for long query blocks: at 8 rows and 192 positions that is ~280 us per layer for ~600 KB of
 // K/V. This kernel reads K and V where they are, once per (row, KV head), and computes the scores,
 // an fp32 softmax and the weighted sum of V for all the query rows that share the head.
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "decode_attention.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <vector>
 
 namespace {
 
@@ -146,63 +144,21 @@ AttendFn attend_for(int64_t rows, int64_t chunks) {
   }
 }
 
-// q: bf16 [B, H, R, D], query row r of row b at token r % T; k, v: bf16 [slots, H, L, D] (views
-// of the cache; the last dimension contiguous); slots: int64 [B]; pos: int64 [B, T]. Query (b, r)
-// attends positions 0..min(max(pos[b, r % T], 0), L - 1) of slot slots[b].
+// `maskwire::attend_slots` (decode_attention.h) over bf16 q, K and V.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& slots, const at::Tensor& pos) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kBFloat16, "q: bf16 [B, H, R, D]");
-  TORCH_CHECK(k.dim() == 4 && k.scalar_type() == at::kBFloat16 && k.sizes() == v.sizes() &&
-                  k.strides() == v.strides() && k.stride(3) == 1,
-              "k, v: bf16 [slots, H, L, D] with the same strides, D contiguous");
-  const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
-  const int64_t length = k.size(2);
-  TORCH_CHECK(k.size(1) == heads && k.size(3) == dim, "q and k disagree on heads or head size");
-  TORCH_CHECK(dim == 32 || dim == 64 || dim == 128, "head size must be 32, 64 or 128");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == batch,
-              "slots: int64 [B]");
-  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.dim() == 2 && pos.size(0) == batch &&
-                  rows % pos.size(1) == 0,
-              "pos: int64 [B, T] with R a multiple of T");
-  const int64_t tokens = pos.size(1);
-  const at::Tensor qc = q.contiguous(), sc = slots.contiguous(), pc = pos.contiguous();
-  at::Tensor out = at::empty(qc.sizes(), qc.options());
-  const auto* qp = qc.const_data_ptr<c10::BFloat16>();
-  const auto* kp = k.const_data_ptr<c10::BFloat16>();
-  const auto* vp = v.const_data_ptr<c10::BFloat16>();
-  const auto* slot_of = sc.const_data_ptr<int64_t>();
-  const auto* pos_of = pc.const_data_ptr<int64_t>();
-  auto* op = out.mutable_data_ptr<c10::BFloat16>();
-  const int64_t slot_count = k.size(0);
-  for (int64_t b = 0; b < batch; ++b)
-    TORCH_CHECK(slot_of[b] >= 0 && slot_of[b] < slot_count, "slot ", slot_of[b], " out of range");
-  const int64_t chunks = dim / kLanes, slot_stride = k.stride(0), head_stride = k.stride(1);
-  const int64_t pos_stride = k.stride(2);
-  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
-
-  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<int64_t> last(rows);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / heads, h = task % heads;
-      const int64_t base = slot_of[b] * slot_stride + h * head_stride;
-      int64_t span = 0;
-      for (int64_t r = 0; r < rows; ++r) {
-        last[r] = std::min(std::max<int64_t>(pos_of[b * tokens + r % tokens], 0), length - 1);
-        span = std::max(span, last[r] + 1);
-      }
-      // 4 query rows' scores, each padded to whole tiles of 16 positions.
-      const int64_t padded = (span + kLanes - 1) / kLanes * kLanes;
-      scores.resize(4 * padded);
-      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const int64_t nr = std::min<int64_t>(4, rows - r0);
-        const int64_t offset = ((b * heads + h) * rows + r0) * dim;
-        attend_for(nr, chunks)(qp + offset, kp + base, vp + base, pos_stride, last.data() + r0,
-                               span, scores.data(), padded, scale, op + offset);
-      }
-    }
-  });
-  return out;
+  return maskwire::attend_slots<c10::BFloat16>(
+      q, k, v, slots, pos, at::kBFloat16, [](maskwire::HeadTask<c10::BFloat16>& t) {
+        // 4 query rows' scores at a time, each padded to whole tiles of 16 positions.
+        const int64_t padded = (t.span + kLanes - 1) / kLanes * kLanes;
+        t.scratch.resize(4 * padded);
+        for (int64_t r0 = 0; r0 < t.rows; r0 += 4) {
+          const int64_t nr = std::min<int64_t>(4, t.rows - r0);
+          attend_for(nr, t.dim / kLanes)(t.q + r0 * t.dim, t.k, t.v, t.pos_stride, t.last + r0,
+                                         t.span, t.scratch.data(), padded, t.scale,
+                                         t.out + r0 * t.dim);
+        }
+      });
 }
 
 }  // namespace

@@ -6,16 +6,14 @@
 // K and V are read where they are: the scores of all the query rows that share a KV head are taken
 // over one tile of 8 keys while it is in L1, then an fp32 softmax and the weighted sum of V per
 // query row (8 accumulators of 8 lanes: AVX2 has 16 registers, too few to hold several rows).
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <immintrin.h>
 #include <torch/library.h>
+
+#include "decode_attention.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <vector>
 
 namespace {
 
@@ -149,62 +147,20 @@ AttendFn attend_for(int64_t chunks) {
   }
 }
 
-// `decode_attention` for fp32: q [B, H, R, D], query row r of row b at token r % T; k, v: fp32
-// [slots, H, L, D] (views of the cache; the last dimension contiguous); slots: int64 [B]; pos:
-// int64 [B, T]. Query (b, r) attends positions 0..min(max(pos[b, r % T], 0), L - 1) of slot
-// slots[b].
+// `maskwire::attend_slots` (decode_attention.h) over fp32 q, K and V.
 at::Tensor decode_attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& slots, const at::Tensor& pos) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "q: fp32 [B, H, R, D]");
-  TORCH_CHECK(k.dim() == 4 && k.scalar_type() == at::kFloat && k.sizes() == v.sizes() &&
-                  k.strides() == v.strides() && k.stride(3) == 1,
-              "k, v: fp32 [slots, H, L, D] with the same strides, D contiguous");
-  const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
-  const int64_t length = k.size(2);
-  TORCH_CHECK(k.size(1) == heads && k.size(3) == dim, "q and k disagree on heads or head size");
-  TORCH_CHECK(dim == 32 || dim == 64 || dim == 128, "head size must be 32, 64 or 128");
-  TORCH_CHECK(length > 0, "k, v: no positions");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == batch,
-              "slots: int64 [B]");
-  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.dim() == 2 && pos.size(0) == batch &&
-                  pos.size(1) > 0 && rows % pos.size(1) == 0,
-              "pos: int64 [B, T] with R a multiple of T");
-  const int64_t tokens = pos.size(1);
-  const at::Tensor qc = q.contiguous(), sc = slots.contiguous(), pc = pos.contiguous();
-  at::Tensor out = at::empty(qc.sizes(), qc.options());
-  const auto* qp = qc.const_data_ptr<float>();
-  const auto* kp = k.const_data_ptr<float>();
-  const auto* vp = v.const_data_ptr<float>();
-  const auto* slot_of = sc.const_data_ptr<int64_t>();
-  const auto* pos_of = pc.const_data_ptr<int64_t>();
-  auto* op = out.mutable_data_ptr<float>();
-  const int64_t slot_count = k.size(0);
-  for (int64_t b = 0; b < batch; ++b)
-    TORCH_CHECK(slot_of[b] >= 0 && slot_of[b] < slot_count, "slot ", slot_of[b], " out of range");
-  const AttendFn attend = attend_for(dim / kLanes);
-  const int64_t slot_stride = k.stride(0), head_stride = k.stride(1), pos_stride = k.stride(2);
-  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
-
-  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, scaled(rows * dim);
-    std::vector<int64_t> last(rows);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / heads, h = task % heads;
-      const int64_t base = slot_of[b] * slot_stride + h * head_stride;
-      int64_t span = 0;
-      for (int64_t r = 0; r < rows; ++r) {
-        last[r] = std::min(std::max<int64_t>(pos_of[b * tokens + r % tokens], 0), length - 1);
-        span = std::max(span, last[r] + 1);
-      }
-      const int64_t offset = task * rows * dim;
-      for (int64_t i = 0; i < rows * dim; ++i) scaled[i] = qp[offset + i] * scale;
-      const int64_t padded = (span + kLanes - 1) / kLanes * kLanes;  // whole tiles of 8 scores
-      scores.resize(rows * padded);
-      attend(scaled.data(), kp + base, vp + base, pos_stride, last.data(), rows, span,
-             scores.data(), padded, op + offset);
-    }
-  });
-  return out;
+  return maskwire::attend_slots<float>(
+      q, k, v, slots, pos, at::kFloat, [](maskwire::HeadTask<float>& t) {
+        // The query rows scaled, then every row's scores padded to whole tiles of 8 positions.
+        const int64_t values = t.rows * t.dim;
+        const int64_t padded = (t.span + kLanes - 1) / kLanes * kLanes;
+        t.scratch.resize(values + t.rows * padded);
+        float* scaled = t.scratch.data();
+        for (int64_t i = 0; i < values; ++i) scaled[i] = t.q[i] * t.scale;
+        attend_for(t.dim / kLanes)(scaled, t.k, t.v, t.pos_stride, t.last, t.rows, t.span,
+                                   scaled + values, padded, t.out);
+      });
 }
 
 }  // namespace

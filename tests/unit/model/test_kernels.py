@@ -274,11 +274,19 @@ def test_decode_attention_matches_sdpa_over_each_rows_slot(
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), ATTENTION_DTYPES)
-def test_decode_attention_refuses_a_slot_out_of_range(dtype: torch.dtype, tolerance: float) -> None:
+def test_decode_attention_refuses_bad_slots_and_shapes(
+    dtype: torch.dtype, tolerance: float
+) -> None:
     k = torch.zeros(2, 1, 8, 32, dtype=dtype)
     q = torch.zeros(1, 1, 1, 32, dtype=dtype)
     with pytest.raises(RuntimeError, match="slot 2 out of range"):
         kernels.decode_attention(q, k, k, torch.tensor([2]), torch.tensor([[0]]))
+    with pytest.raises(RuntimeError, match=r"pos: int64 \[B, T\]"):  # no tokens: not a 0 / 0
+        kernels.decode_attention(q, k, k, torch.tensor([0]), torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="no positions"):
+        kernels.decode_attention(
+            q, k[:, :, :0], k[:, :, :0], torch.tensor([0]), torch.tensor([[0]])
+        )
 
 
 def test_a_second_build_reuses_the_library(tmp_path: Path) -> None:
