@@ -16,8 +16,10 @@ rounds so machine load drifts affect them alike; the median round is reported.
 
 Reported per variant: aggregate completion tokens/s (sampled + forced), forward passes per output
 token (summed `usage.forward_passes` over requests / completion tokens), the share of decode step
-time spent waiting for masks after the forward pass, and schema validity of every constrained
-output that ended with STOP (the others stopped at `--max-tokens`, inside the structure).
+time spent waiting for masks after the forward pass, how long per step the event loop's thread and
+the device thread were runnable but had no CPU (Linux schedstat: on a small machine they compete
+with each other and with the grammar service), and schema validity of every constrained output
+that ended with STOP (the others stopped at `--max-tokens`, inside the structure).
 Writes bench/results/e2e_decode.json and .png.
 
 Usage: python bench/e2e_decode.py [--concurrency 1,8] [--max-tokens 64] [--repeats 3]
@@ -31,6 +33,7 @@ import json
 import os
 import platform
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +135,31 @@ class RunResult:
     passes: int  # forward passes summed over requests (usage.forward_passes)
     finish: dict[str, int]
     stats: dict[str, float]
+    # Seconds each thread was runnable but had no CPU (another thread or process held it).
+    run_queue_s: dict[str, float | None]
+
+
+def run_queue_s(tid: int) -> float | None:
+    """Total time thread `tid` of this process has waited for a CPU while runnable (Linux
+    schedstat; None elsewhere): on a small machine the device thread can be ready to start a
+    pass while the event loop and the grammar service hold both cores."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _elapsed(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else after - before
+
+
+async def thread_ids() -> dict[str, int]:
+    """The native ids of the event loop's thread and the device thread."""
+    return {
+        "loop": threading.get_native_id(),
+        "device": await device_thread.run(threading.get_native_id),
+    }
 
 
 async def run_variant(
@@ -197,9 +225,12 @@ async def run_variant(
             if msg.finish_reason:
                 return "".join(text), ids, worker_pb2.FinishReason.Name(msg.finish_reason)
 
+    tids = await thread_ids()
+    queued = {name: run_queue_s(tid) for name, tid in tids.items()}
     began = time.perf_counter()
     outs = await asyncio.gather(*(one(r) for r in reqs))
     wall = time.perf_counter() - began
+    after = {name: run_queue_s(tid) for name, tid in tids.items()}
     await engine.stop()
     valid = 0
     finish: dict[str, int] = {}
@@ -222,6 +253,7 @@ async def run_variant(
         passes=sum(r.forward_passes for r in reqs),
         finish=finish,
         stats=metrics.stats.snapshot(),
+        run_queue_s={name: _elapsed(queued[name], after[name]) for name in tids},
     )
 
 
@@ -243,6 +275,12 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
         "forward_ms_per_step": round(1e3 * s["forward_s"] / max(s["steps"], 1), 2),
         "sample_ms_per_step": round(1e3 * s["sample_s"] / max(s["steps"], 1), 2),
         "steps": int(s["steps"]),
+        **{
+            f"{name}_thread_run_queue_ms_per_step": (
+                None if q is None else round(1e3 * q / max(s["steps"], 1), 3)
+            )
+            for name, q in r.run_queue_s.items()
+        },
         "valid_of_stopped": f"{r.valid}/{r.requests}",
         "finish": r.finish,
         "wall_s": round(r.wall_s, 2),

@@ -10,7 +10,10 @@ with `GenerateRequest.disable_speculation`), at each concurrency:
 * free text: greedy continuations of short prompts with little to copy.
 
 Each batch runs twice per side, in the order on, off, off, on. Reports per workload and
-concurrency: tokens/s, forward passes per token (the worker's usage),
+concurrency: tokens/s (completion tokens over the batch's wall time), decode tokens/s (the same
+tokens over the wall time minus the worker's time in prompt passes, from its /metrics: the part
+that speculation can shorten; the prompts cost the same on both sides), forward passes per token
+(the worker's usage),
 draft acceptance rate, the speedup, and whether every output is identical with and without
 speculation. Jump-forward is on in both. Writes bench/results/speculative.json (and .png when
 matplotlib is installed). `--reference` runs the worker eager fp32 (fast to start; the default
@@ -27,6 +30,7 @@ import json
 import platform
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from maskwire.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
-from tests.support.processes import running  # noqa: E402
+from tests.support.processes import free_port, running  # noqa: E402
 
 NAMES = ["Maria Gonzalez", "Tomasz Nowak", "Aiko Tanaka", "Samuel Okafor", "Ingrid Larsen",
          "Rahul Mehta", "Chloe Dubois", "Mateo Rossi"]  # fmt: skip
@@ -110,27 +115,44 @@ async def one(
     }
 
 
+def prefill_seconds(metrics_url: str) -> float:
+    """The worker's total time in prompt (prefill) passes so far, from its /metrics."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == "maskwire_worker_forward_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_sum") and sample.labels.get("kind") == "prefill":
+                    return float(sample.value)
+    return 0.0
+
+
 async def batch(
     stub: worker_pb2_grpc.WorkerStub,
+    metrics_url: str,
     prompts: list[str],
     constraint: common_pb2.Constraint | None,
     max_tokens: int,
     concurrency: int,
     speculate: bool,
-) -> tuple[list[dict[str, Any]], float]:
-    """Run `prompts` with at most `concurrency` in flight; returns results and wall seconds."""
+) -> tuple[list[dict[str, Any]], float, float]:
+    """Run `prompts` with at most `concurrency` in flight; returns results, wall seconds and the
+    seconds of those the worker spent in prompt passes (the same work with and without
+    speculation)."""
     sem = asyncio.Semaphore(concurrency)
 
     async def limited(p: str) -> dict[str, Any]:
         async with sem:
             return await one(stub, p, constraint, max_tokens, speculate)
 
+    prefill = prefill_seconds(metrics_url)
     began = time.perf_counter()
     results = await asyncio.gather(*(limited(p) for p in prompts))
-    return list(results), time.perf_counter() - began
+    seconds = time.perf_counter() - began
+    return list(results), seconds, prefill_seconds(metrics_url) - prefill
 
 
-def summary(results: list[dict[str, Any]], seconds: float) -> dict[str, float]:
+def summary(results: list[dict[str, Any]], seconds: float, prefill_s: float) -> dict[str, float]:
     tokens = sum(r["tokens"] for r in results)
     passes = sum(r["passes"] for r in results)
     drafts = sum(r["drafts"] for r in results)
@@ -138,6 +160,9 @@ def summary(results: list[dict[str, Any]], seconds: float) -> dict[str, float]:
         "tokens": tokens,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 2),
+        "prefill_share": round(prefill_s / seconds, 4),
+        # What speculation acts on: the tokens over the time outside prompt passes.
+        "decode_tokens_per_s": round(tokens / max(seconds - prefill_s, 1e-9), 2),
         "forward_passes_per_token": round(passes / max(tokens, 1), 4),
         "tokens_per_forward_pass": round(tokens / max(passes, 1), 4),
         "draft_tokens": drafts,
@@ -145,7 +170,7 @@ def summary(results: list[dict[str, Any]], seconds: float) -> dict[str, float]:
     }
 
 
-async def measure(address: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+async def measure(address: str, metrics_url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     constraint = common_pb2.Constraint(json_schema=json.dumps(SCHEMA))
     workloads = [
         ("extraction", extraction_prompts(args.prompts), constraint, args.max_tokens),
@@ -159,13 +184,20 @@ async def measure(address: str, args: argparse.Namespace) -> list[dict[str, Any]
             for name, prompts, cons, max_tokens in workloads:
                 # Interleaved A B B A (same worker, same minutes): a host whose load drifts
                 # favours neither side.
-                runs: dict[bool, list[tuple[list[dict[str, Any]], float]]] = {True: [], False: []}
+                runs: dict[bool, list[tuple[list[dict[str, Any]], float, float]]] = {
+                    True: [],
+                    False: [],
+                }
                 for speculate in (True, False, False, True):
                     runs[speculate].append(
-                        await batch(stub, prompts, cons, max_tokens, c, speculate)
+                        await batch(stub, metrics_url, prompts, cons, max_tokens, c, speculate)
                     )
                 on, off = (
-                    summary(runs[s][0][0] + runs[s][1][0], runs[s][0][1] + runs[s][1][1])
+                    summary(
+                        runs[s][0][0] + runs[s][1][0],
+                        runs[s][0][1] + runs[s][1][1],
+                        runs[s][0][2] + runs[s][1][2],
+                    )
                     for s in (True, False)
                 )
                 identical = all(
@@ -178,6 +210,9 @@ async def measure(address: str, args: argparse.Namespace) -> list[dict[str, Any]
                     "on": on,
                     "off": off,
                     "speedup": round(on["tokens_per_s"] / off["tokens_per_s"], 3),
+                    "decode_speedup": round(
+                        on["decode_tokens_per_s"] / off["decode_tokens_per_s"], 3
+                    ),
                     "identical": identical,
                 }
                 print(json.dumps(row), flush=True)
@@ -194,11 +229,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     except ImportError:
         return
     labels = [f"{r['workload']}\nc{r['concurrency']}" for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     x = range(len(rows))
     for ax, key, title in (
         (axes[0], "tokens_per_s", "tokens/s"),
-        (axes[1], "tokens_per_forward_pass", "tokens per forward pass"),
+        (axes[1], "decode_tokens_per_s", "decode tokens/s (outside prompt passes)"),
+        (axes[2], "tokens_per_forward_pass", "tokens per forward pass"),
     ):
         ax.bar([i - 0.2 for i in x], [r["off"][key] for r in rows], 0.4, label="off")
         ax.bar([i + 0.2 for i in x], [r["on"][key] for r in rows], 0.4, label="ngram")
@@ -227,11 +263,16 @@ def main() -> None:
     if not args.reference:  # the fast default (the test helper would pick the reference)
         worker += ["--compile", "--dtype", "auto", "--quantize", "auto"]
     worker += args.worker_arg
+    metrics_port = free_port()
     with (
         running("grammar-service", ["--tokenizer", "default"]) as gs,
-        running("worker", [*worker, "--grammar-service", gs.address], timeout_s=1800) as w,
+        running(
+            "worker",
+            [*worker, "--grammar-service", gs.address, "--metrics-port", str(metrics_port)],
+            timeout_s=1800,
+        ) as w,
     ):
-        rows = asyncio.run(measure(w.address, args))
+        rows = asyncio.run(measure(w.address, f"http://127.0.0.1:{metrics_port}/metrics", args))
     out = Path(args.out)
     result = {
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
