@@ -20,6 +20,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 DEVICES = ("cpu", "cuda", "xla")
 
+# Inductor's Python wrapper checks the size and stride of each op's output before passing it on:
+# ~17 checks per layer, 0.7 ms of a 9.9 ms one-row decode step on a 2-core CPU (measured
+# side by side with the same graph, same logits). The forward graphs' shapes are fixed by the
+# model and its kernels' fake implementations, which the compiled-against-eager tests check.
+LEAN_WRAPPER: dict[str, bool] = {
+    "size_asserts": False,
+    "alignment_asserts": False,
+    "scalar_asserts": False,
+}
+
 
 class BackendError(RuntimeError):
     """The requested device is not usable here."""
@@ -45,7 +55,8 @@ class Backend:
         # Model weights never change after loading: guarding on every module attribute at each
         # call costs ~1 ms per step for nothing. Input tensors (shapes, dtypes) stay guarded.
         options: dict[str, Any] = {
-            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+            **LEAN_WRAPPER,
         }
         return torch.compile(  # type: ignore[return-value]
             fn, fullgraph=True, dynamic=None if dynamic else False, options=options

@@ -30,6 +30,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from neuron_worker.backends import LEAN_WRAPPER
+
 log = logging.getLogger(__name__)
 
 # The sources a forward graph is traced from: a change in any of them changes the key.
@@ -140,7 +142,7 @@ class SavedGraphs:
                 cast(Callable[..., torch.Tensor], getattr(self.model, function)),
                 fullgraph=True,
                 dynamic=None,  # the dimensions the caller marks are symbolic
-                options={"guard_filter_fn": _portable_guards},
+                options={"guard_filter_fn": _portable_guards, **LEAN_WRAPPER},
             )
         try:
             graph = self._compilers[function].aot_compile((example, {}))
@@ -186,6 +188,7 @@ def graph_key(model: nn.Module, ranges: str) -> str:
         str(torch.backends.cpu.get_cpu_capability()),
         str(torch.get_num_threads()),  # inductor's C++ kernels are generated for a thread count
         ranges,
+        str(sorted(LEAN_WRAPPER.items())),  # how inductor wrote the graph's wrapper
         _model_structure(model),
         *_source_digests(),
     ):
