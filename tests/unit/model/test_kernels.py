@@ -74,7 +74,8 @@ def test_the_fp32_kernel_multiplies_by_q4_1_weights_in_fp32(rows: int, n: int, k
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
 def test_an_fp32_kernel_rows_result_does_not_depend_on_the_rows_beside_it(scheme: str) -> None:
     """Greedy output must not depend on batching: each row sums in one order for any row count
-    (odd group counts too, where a single row's two groups in flight leave one over)."""
+    (19 groups, a prime: whatever number of groups a row count keeps in flight leaves some
+    over)."""
     x = torch.randn(19, 608, generator=torch.Generator().manual_seed(5))
     w = torch.randn(64, 608, generator=torch.Generator().manual_seed(6))
     if scheme == "int4":
