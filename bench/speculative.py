@@ -32,7 +32,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -127,6 +127,12 @@ def prefill_seconds(metrics_url: str) -> float:
     return 0.0
 
 
+class Batch(NamedTuple):
+    results: list[dict[str, Any]]
+    seconds: float  # wall time
+    prefill_s: float  # of which the worker spent in prompt passes (the same on both sides)
+
+
 async def batch(
     stub: worker_pb2_grpc.WorkerStub,
     metrics_url: str,
@@ -135,10 +141,8 @@ async def batch(
     max_tokens: int,
     concurrency: int,
     speculate: bool,
-) -> tuple[list[dict[str, Any]], float, float]:
-    """Run `prompts` with at most `concurrency` in flight; returns results, wall seconds and the
-    seconds of those the worker spent in prompt passes (the same work with and without
-    speculation)."""
+) -> Batch:
+    """Run `prompts` with at most `concurrency` in flight."""
     sem = asyncio.Semaphore(concurrency)
 
     async def limited(p: str) -> dict[str, Any]:
@@ -149,10 +153,13 @@ async def batch(
     began = time.perf_counter()
     results = await asyncio.gather(*(limited(p) for p in prompts))
     seconds = time.perf_counter() - began
-    return list(results), seconds, prefill_seconds(metrics_url) - prefill
+    return Batch(list(results), seconds, prefill_seconds(metrics_url) - prefill)
 
 
-def summary(results: list[dict[str, Any]], seconds: float, prefill_s: float) -> dict[str, float]:
+def summary(first: Batch, second: Batch) -> dict[str, float]:
+    results = first.results + second.results
+    seconds = first.seconds + second.seconds
+    prefill_s = first.prefill_s + second.prefill_s
     tokens = sum(r["tokens"] for r in results)
     passes = sum(r["passes"] for r in results)
     drafts = sum(r["drafts"] for r in results)
@@ -184,25 +191,15 @@ async def measure(address: str, metrics_url: str, args: argparse.Namespace) -> l
             for name, prompts, cons, max_tokens in workloads:
                 # Interleaved A B B A (same worker, same minutes): a host whose load drifts
                 # favours neither side.
-                runs: dict[bool, list[tuple[list[dict[str, Any]], float, float]]] = {
-                    True: [],
-                    False: [],
-                }
+                runs: dict[bool, list[Batch]] = {True: [], False: []}
                 for speculate in (True, False, False, True):
                     runs[speculate].append(
                         await batch(stub, metrics_url, prompts, cons, max_tokens, c, speculate)
                     )
-                on, off = (
-                    summary(
-                        runs[s][0][0] + runs[s][1][0],
-                        runs[s][0][1] + runs[s][1][1],
-                        runs[s][0][2] + runs[s][1][2],
-                    )
-                    for s in (True, False)
-                )
+                on, off = (summary(*runs[s]) for s in (True, False))
                 identical = all(
                     a["ids"] == b["ids"]
-                    for a, b in zip(runs[True][0][0], runs[False][0][0], strict=True)
+                    for a, b in zip(runs[True][0].results, runs[False][0].results, strict=True)
                 )
                 row = {
                     "workload": name,
