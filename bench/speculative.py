@@ -115,16 +115,31 @@ async def one(
     }
 
 
-def prefill_seconds(metrics_url: str) -> float:
-    """The worker's total time in prompt (prefill) passes so far, from its /metrics."""
+TIMERS = ("step", "forward", "mask_wait", "sample")
+
+
+def worker_timers(metrics_url: str) -> dict[str, dict[str, float]]:
+    """The worker's timer totals so far from its /metrics: for each of its per-step timers
+    (and each `kind` label), the seconds summed and the number of observations."""
     with urllib.request.urlopen(metrics_url, timeout=10) as r:
         text = r.read().decode()
+    names = {f"maskwire_worker_{t}_seconds": t for t in TIMERS}
+    totals: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
-        if family.name == "maskwire_worker_forward_seconds":
-            for sample in family.samples:
-                if sample.name.endswith("_sum") and sample.labels.get("kind") == "prefill":
-                    return float(sample.value)
-    return 0.0
+        timer = names.get(family.name)
+        if timer is None:
+            continue
+        for sample in family.samples:
+            field = {"_sum": "seconds", "_count": "count"}.get(sample.name[len(family.name) :])
+            if field:
+                key = "/".join([timer, *sample.labels.values()])
+                totals.setdefault(key, {})[field] = float(sample.value)
+    return totals
+
+
+def prefill_seconds(metrics_url: str) -> float:
+    """The worker's total time in prompt (prefill) passes so far."""
+    return worker_timers(metrics_url).get("forward/prefill", {}).get("seconds", 0.0)
 
 
 class Batch(NamedTuple):
@@ -269,7 +284,9 @@ def main() -> None:
             timeout_s=1800,
         ) as w,
     ):
-        rows = asyncio.run(measure(w.address, f"http://127.0.0.1:{metrics_port}/metrics", args))
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        rows = asyncio.run(measure(w.address, metrics_url, args))
+        timers = worker_timers(metrics_url)
     out = Path(args.out)
     result = {
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
@@ -277,6 +294,8 @@ def main() -> None:
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
         "rows": rows,
+        # The worker's own per-step timers over the whole run (all rows, both sides).
+        "worker_timers": timers,
     }
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(rows, out.with_suffix(".png"))
