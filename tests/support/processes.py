@@ -23,13 +23,20 @@ from maskwire.tls import ClientTLS, make_sync_channel
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# The device test workers run on where a test names none: `MASKWIRE_TEST_WORKER_DEVICE=cuda`
+# runs the integration suites against a GPU worker (bench/cuda_check.sh); the default is the CPU.
+TEST_WORKER_DEVICE = os.environ.get("MASKWIRE_TEST_WORKER_DEVICE", "cpu")
+
+
 def worker_args(args: list[str]) -> list[str]:
     """`args` plus the worker's reference settings where it chooses none: integration tests run
     the worker eager in fp32 (the configuration checked against transformers), fast to start and
-    with the greedy outputs the tests expect; tests of the fast default pass their own
-    --compile / --dtype / --quantize."""
+    with the greedy outputs the tests expect, on `TEST_WORKER_DEVICE`; tests of the fast default
+    pass their own --compile / --dtype / --quantize."""
     chosen = " ".join(args)
     extra: list[str] = []
+    if "--device" not in chosen:
+        extra += ["--device", TEST_WORKER_DEVICE]
     if "--compile" not in chosen and "--no-compile" not in chosen:
         extra.append("--no-compile")
     if "--dtype" not in chosen:

@@ -32,7 +32,7 @@ from tests.integration.worker.conftest import (
     generate,
 )
 from tests.support.metrics import metric
-from tests.support.processes import ServiceProcess, free_port, running
+from tests.support.processes import TEST_WORKER_DEVICE, ServiceProcess, free_port, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -44,6 +44,8 @@ SETTINGS = re.compile(r"compile cache \S+: (\d+) graphs loaded from it, (\d+) co
 
 
 def expected_settings() -> str:
+    if TEST_WORKER_DEVICE == "cuda":  # native bf16; the 4-bit kernels are CPU ones
+        return "worker settings: dtype bfloat16, compiled, quantize none"
     if native_bf16("cpu"):
         return "worker settings: dtype bfloat16, compiled, quantize int4"
     if cpu_kernel_set() is not None:  # the AVX2 kernel: fp32 activations, 4-bit weights

@@ -12,7 +12,7 @@ import pytest
 from maskwire.rpc import RpcError
 from maskwire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.integration.worker.conftest import SCHEMAS, Case, cases, channel, chat, generate
-from tests.support.processes import ServiceProcess, running
+from tests.support.processes import TEST_WORKER_DEVICE, ServiceProcess, running
 
 FR = worker_pb2
 
@@ -41,7 +41,7 @@ async def test_model_info(worker: ServiceProcess) -> None:
     assert info.max_context == 512 and info.max_batch_size == 8
     assert list(info.eos_token_ids) == [2] and info.eos_token == "<|im_end|>"
     assert "<|im_start|>" in info.chat_template
-    assert info.structured_outputs and info.device == "cpu"
+    assert info.structured_outputs and info.device == TEST_WORKER_DEVICE
     assert info.tokenizer.vocab_size == 49152 and len(info.tokenizer.tokens_sha256) == 32
 
 
