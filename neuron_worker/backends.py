@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from neuron_worker.compile_fallback import compile_or_eager
+
 log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -58,8 +60,12 @@ class Backend:
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
             **LEAN_WRAPPER,
         }
-        return torch.compile(  # type: ignore[return-value]
-            fn, fullgraph=True, dynamic=None if dynamic else False, options=options
+        return compile_or_eager(
+            fn,
+            name=name or getattr(fn, "__name__", "fn"),
+            fullgraph=True,
+            dynamic=None if dynamic else False,
+            options=options,
         )
 
     def sync(self) -> None:

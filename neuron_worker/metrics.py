@@ -71,6 +71,12 @@ COMPILES_WHILE_SERVING = prom.Counter(
     "maskwire_worker_compiles_while_serving_total",
     "Graphs compiled after warm-up (a request waited for each): should stay 0",
 )
+EAGER_FALLBACKS = prom.Counter(
+    "maskwire_worker_eager_fallbacks_total",
+    "Compiled functions served eager because the compiler failed on one of their graphs (the "
+    "worker's log names the function and the error): should stay 0",
+    ["function"],
+)
 POISON_REQUESTS = prom.Counter(
     "maskwire_worker_poison_requests_total",
     "Requests failed because their constraint crashed grammar replicas (it is never sent again)",

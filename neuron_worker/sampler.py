@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from neuron_worker.compile_fallback import compile_or_eager
 from neuron_worker.logprobs import TOP_WIDTH, token_logprobs
 from neuron_worker.masks import (
     mask_dest_index,
@@ -342,15 +343,17 @@ class Sampler:
         if cpu_threads and self.device.type == "cpu":
             options["cpp.threads"] = cpu_threads
 
-        def build(fn: Callable[..., object]) -> Callable[..., object]:
-            return torch.compile(fn, fullgraph=True, options=options) if compile else fn
+        def build(fn: Callable[..., object], name: str) -> Callable[..., object]:
+            if not compile:
+                return fn
+            return compile_or_eager(fn, name=f"sampler {name}", fullgraph=True, options=options)
 
         for mode in MODES:
             self._fns[mode] = build(  # type: ignore[assignment]
-                functools.partial(sample_tokens, vocab_size=vocab_size, mode=mode)
+                functools.partial(sample_tokens, vocab_size=vocab_size, mode=mode), mode
             )
-        self._penalize = build(apply_penalties)
-        self._logprobs = build(functools.partial(token_logprobs, vocab_size=vocab_size))
+        self._penalize = build(apply_penalties, "penalties")
+        self._logprobs = build(functools.partial(token_logprobs, vocab_size=vocab_size), "logprobs")
         self._warm: set[tuple[Mode, int]] = set()
 
     def all_ones_mask(self, n_rows: int) -> Tensor:

@@ -1,0 +1,97 @@
+"""A compiler that fails on a graph: the function is served eager, with the same results, and the
+failure is logged and counted (seen on CUDA with torch 2.11's inductor, docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import logging
+
+import prometheus_client as prom
+import pytest
+import torch
+
+from neuron_worker.backends import create_backend
+from neuron_worker.compile_fallback import compile_or_eager
+from neuron_worker.sampler import Sampler, SamplingTensors
+
+calls = {"backend": 0}
+
+
+def broken_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+    calls["backend"] += 1
+    raise TypeError("list indices must be integers or slices, not NoneType")
+
+
+def fallbacks(function: str) -> float:
+    value = prom.REGISTRY.get_sample_value(
+        "maskwire_worker_eager_fallbacks_total", {"function": function}
+    )
+    return value or 0.0
+
+
+def scaled_sum(x: torch.Tensor) -> torch.Tensor:
+    return (x * 2).sum(dim=-1)
+
+
+def test_a_failing_backend_serves_eager_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    calls["backend"] = 0
+    before = fallbacks("scaled sum")
+    fn = compile_or_eager(scaled_sum, name="scaled sum", backend=broken_backend, fullgraph=True)
+    x = torch.arange(12.0).reshape(3, 4)
+    with caplog.at_level(logging.ERROR, logger="neuron_worker.compile_fallback"):
+        assert torch.equal(fn(x), scaled_sum(x))
+    assert "the compiler failed on scaled sum" in caplog.text
+    assert "list indices must be integers" in caplog.text
+    assert fallbacks("scaled sum") == before + 1
+    # Eager from then on: the compiler is not asked again, for this shape or another.
+    assert torch.equal(fn(x[:2]), scaled_sum(x[:2]))
+    assert calls["backend"] == 1 and fallbacks("scaled sum") == before + 1
+
+
+def test_a_working_backend_is_used_and_nothing_is_counted() -> None:
+    before = fallbacks("eager backend")
+    fn = compile_or_eager(scaled_sum, name="eager backend", backend="eager", fullgraph=True)
+    x = torch.ones(2, 3)
+    assert torch.equal(fn(x), scaled_sum(x))
+    assert fallbacks("eager backend") == before
+
+
+def test_errors_of_the_function_itself_are_raised() -> None:
+    def bad(x: torch.Tensor) -> torch.Tensor:
+        return x @ torch.ones(5, 5)  # shapes do not match
+
+    fn = compile_or_eager(bad, name="bad", backend="eager", fullgraph=True)
+    with pytest.raises(RuntimeError, match=r"shape|size"):
+        fn(torch.ones(2, 3))
+    assert fallbacks("bad") == 0
+
+
+def test_the_backend_and_the_sampler_compile_through_the_fallback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker's compiled forward (Backend.compile) and sampler graphs both survive a
+    broken compiler, with the eager results."""
+    real = torch.compile
+
+    def broken(fn: object, **options: object) -> object:
+        options.pop("options", None)  # inductor's options; this backend takes none
+        return real(fn, **{**options, "backend": broken_backend})  # type: ignore[call-overload]
+
+    monkeypatch.setattr(torch, "compile", broken)
+    backend = create_backend("cpu", compile=True)
+    fn = backend.compile(scaled_sum, name="forward")
+    x = torch.randn(4, 8)
+    assert torch.equal(fn(x), scaled_sum(x))
+    assert fallbacks("forward") >= 1
+
+    vocab = 64
+    kw = dict(vocab_size=vocab, logits_size=vocab, max_rows=2, device="cpu")
+    compiled = Sampler(**kw, structured_outputs=True, compile=True)  # type: ignore[arg-type]
+    eager = Sampler(**kw, structured_outputs=True, compile=False)  # type: ignore[arg-type]
+    logits = torch.randn(2, vocab)
+    greedy = SamplingTensors.build(
+        temperature=[0.0, 0.0], top_p=[1.0, 1.0], top_k=[0, 0], seed=[1, 2], offset=[0, 0], n_rows=2
+    )
+    tokens = compiled(logits, compiled.all_ones_mask(2), greedy)
+    assert torch.equal(tokens, eager(logits, eager.all_ones_mask(2), greedy))
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert fallbacks("sampler greedy") >= 1
