@@ -24,17 +24,18 @@ from tests.unit.sampler.test_sampler import packed_from_allowed
 VOCAB, WIDTH = 1_000, 1_024
 
 
-def penalties(n: int, **kw: list[Any]) -> PenaltyTensors:
+def penalties(n: int, device: torch.device | str = "cpu", **kw: list[Any]) -> PenaltyTensors:
     return PenaltyTensors.build(
         presence=kw.get("presence", [0.0] * n),
         frequency=kw.get("frequency", [0.0] * n),
         repetition=kw.get("repetition", [1.0] * n),
         logit_bias=kw.get("logit_bias", [{}] * n),
         n_rows=n,
+        device=device,
     )
 
 
-def greedy(n: int, temperature: float = 0.0) -> SamplingTensors:
+def greedy(n: int, temperature: float = 0.0, device: torch.device | str = "cpu") -> SamplingTensors:
     return SamplingTensors.build(
         temperature=[temperature] * n,
         top_p=[1.0] * n,
@@ -42,6 +43,7 @@ def greedy(n: int, temperature: float = 0.0) -> SamplingTensors:
         seed=list(range(n)),
         offset=[0] * n,
         n_rows=n,
+        device=device,
     )
 
 
@@ -217,12 +219,14 @@ def test_temperature_shapes_the_processed_distribution() -> None:
     assert float(cold[0]) > float(hot[0])
 
 
-def test_compiled_penalty_and_logprob_graphs_do_not_recompile() -> None:
+def test_compiled_penalty_and_logprob_graphs_do_not_recompile(device: torch.device) -> None:
+    """On every test device: the first CUDA run found a worker warm-up graph that inductor could
+    not build, and these graphs were the sampler's only ones the CUDA tests had not compiled."""
     s = Sampler(
         vocab_size=VOCAB,
         logits_size=WIDTH,
         max_rows=16,
-        device="cpu",
+        device=device,
         structured_outputs=True,
         compile=True,
     )
@@ -231,11 +235,12 @@ def test_compiled_penalty_and_logprob_graphs_do_not_recompile() -> None:
     g = torch.Generator().manual_seed(3)
     with torch._dynamo.config.patch(error_on_recompile=True), torch.inference_mode():
         for n in (1, 4, 11):
-            logits = torch.randn(n, WIDTH, generator=g)
-            counts = torch.randint(0, 3, (n, WIDTH), generator=g, dtype=torch.int32)
-            seen = torch.rand(n, WIDTH, generator=g) < 0.1
+            logits = torch.randn(n, WIDTH, generator=g).to(device)
+            counts = torch.randint(0, 3, (n, WIDTH), generator=g, dtype=torch.int32).to(device)
+            seen = (torch.rand(n, WIDTH, generator=g) < 0.1).to(device)
             p = penalties(
                 n,
+                device,
                 presence=[0.5] * n,
                 frequency=[0.1 * i for i in range(n)],
                 repetition=[1.2] * n,
@@ -254,14 +259,14 @@ def test_compiled_penalty_and_logprob_graphs_do_not_recompile() -> None:
             )
             assert torch.allclose(out, want, atol=1e-5)
             mask = s.all_ones_mask(n)
-            tokens = s(out, mask, greedy(n))
+            tokens = s(out, mask, greedy(n, device=device))
             lp = s.logprobs(
                 logits,
                 out,
                 mask,
-                torch.ones(n),
+                torch.ones(n, device=device),
                 tokens,
-                torch.tensor([i % 2 == 0 for i in range(n)]),
+                torch.tensor([i % 2 == 0 for i in range(n)], device=device),
             )
             assert lp.top_ids.shape == (n, TOP_WIDTH)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

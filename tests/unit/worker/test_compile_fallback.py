@@ -13,6 +13,8 @@ from neuron_worker.backends import create_backend
 from neuron_worker.compile_fallback import compile_or_eager
 from neuron_worker.sampler import Sampler, SamplingTensors
 
+pytestmark = pytest.mark.eager_fallback
+
 calls = {"backend": 0}
 
 
