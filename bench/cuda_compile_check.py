@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import prometheus_client as prom
 import torch
 import torch._dynamo
 import torch._inductor.config as inductor
@@ -28,6 +27,7 @@ from maskwire.bitmask import words_per_row  # noqa: E402
 from neuron_worker import cli  # noqa: E402
 from neuron_worker.app import engine_config  # noqa: E402
 from neuron_worker.backends import create_backend  # noqa: E402
+from neuron_worker.compile_fallback import fallback_counts  # noqa: E402
 from neuron_worker.model import ModelConfig, build_model  # noqa: E402
 from neuron_worker.sampler import Sampler  # noqa: E402
 from neuron_worker.step_device import StepDevice  # noqa: E402
@@ -71,17 +71,6 @@ def apply(changes: dict[str, object]) -> dict[str, object]:
         old[name] = getattr(obj, leaf)
         setattr(obj, leaf, value)
     return old
-
-
-def fallbacks() -> dict[str, float]:
-    """Functions served eager so far (the worker's counter), by name."""
-    out = {}
-    for family in prom.REGISTRY.collect():
-        if family.name == "maskwire_worker_eager_fallbacks":
-            for s in family.samples:
-                if s.name.endswith("_total") and s.value:
-                    out[s.labels["function"]] = s.value
-    return out
 
 
 def warm_up(model: torch.nn.Module, worker_flags: list[str], device: str) -> int:
@@ -138,10 +127,12 @@ def main() -> int:
         torch._dynamo.reset()
         old = apply(VARIANTS[name])
         began = time.perf_counter()
-        before = fallbacks()
+        before = fallback_counts()
         print(f"== {name}", flush=True)
         graphs = warm_up(model, args.worker_flags.split(), args.device)
-        fell = {k: v - before.get(k, 0) for k, v in fallbacks().items() if v > before.get(k, 0)}
+        fell = {
+            k: v - before.get(k, 0) for k, v in fallback_counts().items() if v > before.get(k, 0)
+        }
         verdict = f"eager fallbacks: {sorted(fell)}" if fell else "every graph compiled"
         print(f"== {name}: {graphs} graphs, {verdict} ({time.perf_counter() - began:.0f}s)")
         apply(old)

@@ -57,3 +57,13 @@ class CompiledOrEager:
 def compile_or_eager(fn: F, *, name: str, **options: Any) -> F:
     """`torch.compile(fn, **options)` that serves `fn` eager once its backend fails."""
     return CompiledOrEager(fn, name, **options)  # type: ignore[return-value]
+
+
+def fallback_counts() -> dict[str, float]:
+    """How many times each function fell back to eager in this process, by name."""
+    return {
+        sample.labels["function"]: sample.value
+        for metric in EAGER_FALLBACKS.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    }

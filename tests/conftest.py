@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import prometheus_client as prom
 import pytest
+
+from neuron_worker.compile_fallback import fallback_counts
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTDATA = ROOT.parent / "shared" / "testdata"
@@ -20,22 +21,12 @@ def testdata() -> Path:
     return TESTDATA
 
 
-def _eager_fallbacks() -> float:
-    return sum(
-        s.value
-        for family in prom.REGISTRY.collect()
-        if family.name == "maskwire_worker_eager_fallbacks"
-        for s in family.samples
-        if s.name.endswith("_total")
-    )
-
-
 @pytest.fixture(autouse=True)
 def _no_silent_eager_fallback(request: pytest.FixtureRequest) -> Iterator[None]:
     """A compiler failure makes the worker serve that function eager (`compile_fallback`), which
     would let a test of compiled graphs pass on eager ones: in-process, only tests marked
     `eager_fallback` may cause one."""
-    before = _eager_fallbacks()
+    before = fallback_counts()
     yield
     if request.node.get_closest_marker("eager_fallback") is None:
-        assert _eager_fallbacks() == before, "a compiled function fell back to eager (see log)"
+        assert fallback_counts() == before, "a compiled function fell back to eager (see log)"

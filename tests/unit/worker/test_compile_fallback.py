@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import logging
 
-import prometheus_client as prom
 import pytest
 import torch
 
 from neuron_worker.backends import create_backend
-from neuron_worker.compile_fallback import compile_or_eager
+from neuron_worker.compile_fallback import compile_or_eager, fallback_counts
 from neuron_worker.sampler import Sampler, SamplingTensors
 
 pytestmark = pytest.mark.eager_fallback
@@ -24,10 +23,7 @@ def broken_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor])
 
 
 def fallbacks(function: str) -> float:
-    value = prom.REGISTRY.get_sample_value(
-        "maskwire_worker_eager_fallbacks_total", {"function": function}
-    )
-    return value or 0.0
+    return fallback_counts().get(function, 0.0)
 
 
 def scaled_sum(x: torch.Tensor) -> torch.Tensor:
