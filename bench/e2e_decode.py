@@ -18,8 +18,11 @@ Reported per variant: aggregate completion tokens/s (sampled + forced), forward 
 token (summed `usage.forward_passes` over requests / completion tokens), the share of decode step
 time spent waiting for masks after the forward pass, how long per step the event loop's thread and
 the device thread were runnable but had no CPU (Linux schedstat: on a small machine they compete
-with each other and with the grammar service), and schema validity of every constrained output
-that ended with STOP (the others stopped at `--max-tokens`, inside the structure).
+with each other and with the grammar service), the CPU time per step of those two threads and
+of the whole process (the host's work, whatever the contention: with the 0 ms stand-in, all of it
+except the eager sampler's is what an accelerator would leave to the host), and schema validity
+of every constrained output that ended with STOP (the others stopped at `--max-tokens`, inside
+the structure).
 Writes bench/results/e2e_decode.json and .png.
 
 Usage: python bench/e2e_decode.py [--concurrency 1,8] [--max-tokens 64] [--repeats 3]
@@ -137,17 +140,29 @@ class RunResult:
     stats: dict[str, float]
     # Seconds each thread was runnable but had no CPU (another thread or process held it).
     run_queue_s: dict[str, float | None]
+    # CPU seconds each thread used, and the whole process (the gRPC threads too).
+    cpu_s: dict[str, float | None]
+
+
+def _schedstat(tid: int, field: int) -> float | None:
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return int(f.read().split()[field]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def run_queue_s(tid: int) -> float | None:
     """Total time thread `tid` of this process has waited for a CPU while runnable (Linux
     schedstat; None elsewhere): on a small machine the device thread can be ready to start a
     pass while the event loop and the grammar service hold both cores."""
-    try:
-        with open(f"/proc/self/task/{tid}/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return None
+    return _schedstat(tid, 1)
+
+
+def cpu_s(tid: int) -> float | None:
+    """CPU time thread `tid` has used (Linux schedstat; None elsewhere): what the host's work
+    costs whatever the contention (waiting for a core or for the grammar is not in it)."""
+    return _schedstat(tid, 0)
 
 
 def _elapsed(before: float | None, after: float | None) -> float | None:
@@ -227,10 +242,14 @@ async def run_variant(
 
     tids = await thread_ids()
     queued = {name: run_queue_s(tid) for name, tid in tids.items()}
+    used = {name: cpu_s(tid) for name, tid in tids.items()}
+    process_cpu = time.process_time()
     began = time.perf_counter()
     outs = await asyncio.gather(*(one(r) for r in reqs))
     wall = time.perf_counter() - began
     after = {name: run_queue_s(tid) for name, tid in tids.items()}
+    used_after = {name: cpu_s(tid) for name, tid in tids.items()}
+    process_cpu = time.process_time() - process_cpu
     await engine.stop()
     valid = 0
     finish: dict[str, int] = {}
@@ -254,6 +273,10 @@ async def run_variant(
         finish=finish,
         stats=metrics.stats.snapshot(),
         run_queue_s={name: _elapsed(queued[name], after[name]) for name in tids},
+        cpu_s={
+            **{name: _elapsed(used[name], used_after[name]) for name in tids},
+            "process": process_cpu,
+        },
     )
 
 
@@ -280,6 +303,12 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
                 None if q is None else round(1e3 * q / max(s["steps"], 1), 3)
             )
             for name, q in r.run_queue_s.items()
+        },
+        **{
+            f"{name}{'' if name == 'process' else '_thread'}_cpu_ms_per_step": (
+                None if c is None else round(1e3 * c / max(s["steps"], 1), 3)
+            )
+            for name, c in r.cpu_s.items()
         },
         "valid_of_stopped": f"{r.valid}/{r.requests}",
         "finish": r.finish,
