@@ -23,14 +23,11 @@ import torch._inductor.config as inductor
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from maskwire.bitmask import words_per_row  # noqa: E402
 from neuron_worker import cli  # noqa: E402
-from neuron_worker.app import engine_config  # noqa: E402
+from neuron_worker.app import build_step_device, engine_config  # noqa: E402
 from neuron_worker.backends import create_backend  # noqa: E402
 from neuron_worker.compile_fallback import fallback_counts  # noqa: E402
 from neuron_worker.model import ModelConfig, build_model  # noqa: E402
-from neuron_worker.sampler import Sampler  # noqa: E402
-from neuron_worker.step_device import StepDevice  # noqa: E402
 from tests.unit.model.tiny import random_weights  # noqa: E402
 
 SMOLLM2 = ModelConfig(
@@ -80,22 +77,7 @@ def warm_up(model: torch.nn.Module, worker_flags: list[str], device: str) -> int
     args = p.parse_args(worker_flags)
     config = engine_config(args, SMOLLM2.max_seq_len, bucketed=False)
     backend = create_backend(device, compile=True)
-    sampler = Sampler(
-        vocab_size=SMOLLM2.vocab_size,
-        logits_size=SMOLLM2.vocab_size,
-        max_rows=max(2, config.batch_buckets[-1]) * config.verify_width,
-        device=backend.device,
-        structured_outputs=config.structured_outputs,
-        compile=True,
-    )
-    step = StepDevice(
-        model=model,
-        backend=backend,
-        sampler=sampler,
-        config=config,
-        eos_ids=(2,),
-        words=words_per_row(SMOLLM2.vocab_size),
-    )
+    step = build_step_device(model, backend, config, vocab_size=SMOLLM2.vocab_size, eos_ids=(2,))
     step.setup()
     began = time.perf_counter()
 

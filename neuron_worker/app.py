@@ -8,10 +8,12 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
+from maskwire.bitmask import words_per_row
 from maskwire.cpus import available_cpus
 from maskwire.discovery import Resolver
 from maskwire.rpc import Server, start_metrics_server
@@ -19,7 +21,7 @@ from maskwire.tls import ClientTLS, server_tls_mode
 from maskwire.tokenizer import Tokenizer, load_tokenizer
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
 from neuron_worker import device_thread, kernels
-from neuron_worker.backends import create_backend
+from neuron_worker.backends import Backend, create_backend
 from neuron_worker.drafter import DEFAULT_SIZES, DraftConfig, DraftMatch
 from neuron_worker.engine import Engine, EngineConfig
 from neuron_worker.grammar_client import GrammarClient
@@ -31,6 +33,9 @@ from neuron_worker.servicer import WorkerServicer
 from neuron_worker.step_device import StepDevice, StepDeviceLike
 from neuron_worker.tuning import cache_use, use_compile_cache
 from neuron_worker.tuning import resolve as resolve_tuning
+
+if TYPE_CHECKING:
+    from neuron_worker.model import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +135,38 @@ def draft_config(args: argparse.Namespace) -> DraftConfig | None:
         raise SystemExit(f"--speculative ngram: {e}") from None
 
 
+def build_step_device(
+    model: Transformer,
+    backend: Backend,
+    config: EngineConfig,
+    *,
+    vocab_size: int,
+    eos_ids: tuple[int, ...],
+    graph_dir: Path | None = None,
+) -> StepDevice:
+    """One process's model, sampler and KV cache as the worker serves them (device thread)."""
+    from neuron_worker.sampler import Sampler
+
+    sampler = Sampler(
+        vocab_size=vocab_size,
+        logits_size=int(model.config.vocab_size),
+        # Verification passes sample every draft position: 1 + K logits rows per request.
+        max_rows=max(2, config.batch_buckets[-1]) * config.verify_width,
+        device=backend.device,
+        structured_outputs=config.structured_outputs,
+        compile=backend.compile_enabled,
+    )
+    return StepDevice(
+        model=model,
+        backend=backend,
+        sampler=sampler,
+        config=config,
+        eos_ids=eos_ids,
+        words=words_per_row(vocab_size),
+        graph_dir=graph_dir,
+    )
+
+
 async def serve(
     args: argparse.Namespace,
     *,
@@ -138,7 +175,6 @@ async def serve(
 ) -> int:
     """Run the worker; `credentials` make its port TLS/mTLS, `grammar_tls` its grammar channels."""
     from neuron_worker.model import load_model
-    from neuron_worker.sampler import Sampler
 
     if args.tensor_parallel_size < 1:
         raise SystemExit("--tensor-parallel-size must be >= 1")
@@ -189,30 +225,18 @@ async def serve(
         device = ranks.leader
         log.info("tensor parallel: %d ranks, rank 0 holds %s", tp, ranks.leader.shard)
     else:
-
-        def build() -> StepDevice:
-            sampler = Sampler(
+        device = await device_thread.run(
+            lambda: build_step_device(
+                model,
+                backend,
+                config,
                 vocab_size=tokenizer.vocab_size,
-                logits_size=int(model.config.vocab_size),
-                # Verification passes sample every draft position: 1 + K logits rows per request.
-                max_rows=max(2, config.batch_buckets[-1]) * config.verify_width,
-                device=backend.device,
-                structured_outputs=config.structured_outputs,
-                compile=backend.compile_enabled,
-            )
-            return StepDevice(
-                model=model,
-                backend=backend,
-                sampler=sampler,
-                config=config,
                 eos_ids=tuple(tokenizer.eos_token_ids),
-                words=tokenizer.words_per_row,
                 # Saved whole, the forward graphs load without re-tracing the model. CPU only:
                 # torch's precompile API has not run on the other devices here.
                 graph_dir=cache / "graphs" if cache is not None and backend.name == "cpu" else None,
             )
-
-        device = await device_thread.run(build)
+        )
 
     grammar: GrammarClient | None = None
     resolver: Resolver | None = None

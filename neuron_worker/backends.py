@@ -53,7 +53,8 @@ class Backend:
         marks (`torch._dynamo.mark_dynamic`) stay symbolic; else every shape is its own graph."""
         if not self.compile_enabled:
             return fn
-        log.info("compiling %s with torch.compile", name or getattr(fn, "__name__", "fn"))
+        name = name or getattr(fn, "__name__", "fn")
+        log.info("compiling %s with torch.compile", name)
         # Model weights never change after loading: guarding on every module attribute at each
         # call costs ~1 ms per step for nothing. Input tensors (shapes, dtypes) stay guarded.
         options: dict[str, Any] = {
@@ -62,7 +63,7 @@ class Backend:
         }
         return compile_or_eager(
             fn,
-            name=name or getattr(fn, "__name__", "fn"),
+            name=name,
             fullgraph=True,
             dynamic=None if dynamic else False,
             options=options,
