@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 from neuron_worker import cli  # noqa: E402
 from neuron_worker.app import build_step_device, engine_config  # noqa: E402
 from neuron_worker.backends import create_backend  # noqa: E402
-from neuron_worker.compile_fallback import fallback_counts  # noqa: E402
-from neuron_worker.model import ModelConfig, build_model  # noqa: E402
+from neuron_worker.compile_fallback import COMPILE_RETRIES, fallback_counts  # noqa: E402
+from neuron_worker.model import ModelConfig, Transformer, build_model  # noqa: E402
 from tests.unit.model.tiny import random_weights  # noqa: E402
 
 SMOLLM2 = ModelConfig(
@@ -70,7 +70,7 @@ def apply(changes: dict[str, object]) -> dict[str, object]:
     return old
 
 
-def warm_up(model: torch.nn.Module, worker_flags: list[str], device: str) -> int:
+def warm_up(model: Transformer, worker_flags: list[str], device: str) -> int:
     """The worker's warm-up on `model`: every graph a request can hit."""
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
@@ -87,6 +87,15 @@ def warm_up(model: torch.nn.Module, worker_flags: list[str], device: str) -> int
         began = time.perf_counter()
 
     return step.warmup(done)
+
+
+def retry_counts() -> dict[str, float]:
+    return {
+        sample.labels["function"]: sample.value
+        for metric in COMPILE_RETRIES.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    }
 
 
 def main() -> int:
@@ -110,12 +119,17 @@ def main() -> int:
         old = apply(VARIANTS[name])
         began = time.perf_counter()
         before = fallback_counts()
+        retried_before = retry_counts()
         print(f"== {name}", flush=True)
         graphs = warm_up(model, args.worker_flags.split(), args.device)
         fell = {
             k: v - before.get(k, 0) for k, v in fallback_counts().items() if v > before.get(k, 0)
         }
         verdict = f"eager fallbacks: {sorted(fell)}" if fell else "every graph compiled"
+        retried = retry_counts()
+        retried = {k: v - retried_before.get(k, 0) for k, v in retried.items()}
+        if any(retried.values()):
+            verdict += f"; compiled again with safer settings: {sorted(k for k, v in retried.items() if v)}"
         print(f"== {name}: {graphs} graphs, {verdict} ({time.perf_counter() - began:.0f}s)")
         apply(old)
     return 0

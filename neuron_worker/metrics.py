@@ -71,6 +71,12 @@ COMPILES_WHILE_SERVING = prom.Counter(
     "maskwire_worker_compiles_while_serving_total",
     "Graphs compiled after warm-up (a request waited for each): should stay 0",
 )
+COMPILE_RETRIES = prom.Counter(
+    "maskwire_worker_compile_retries_total",
+    "Compiled functions built a second time with inductor's safer settings because the first "
+    "compile failed (the worker's log names the function and the error)",
+    ["function"],
+)
 EAGER_FALLBACKS = prom.Counter(
     "maskwire_worker_eager_fallbacks_total",
     "Compiled functions served eager because the compiler failed on one of their graphs (the "

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from neuron_worker.backends import create_backend
-from neuron_worker.compile_fallback import compile_or_eager, fallback_counts
+from neuron_worker.compile_fallback import COMPILE_RETRIES, compile_or_eager, fallback_counts
 from neuron_worker.sampler import Sampler, SamplingTensors
 
 pytestmark = pytest.mark.eager_fallback
@@ -43,6 +43,49 @@ def test_a_failing_backend_serves_eager_and_says_so(caplog: pytest.LogCaptureFix
     # Eager from then on: the compiler is not asked again, for this shape or another.
     assert torch.equal(fn(x[:2]), scaled_sum(x[:2]))
     assert calls["backend"] == 1 and fallbacks("scaled sum") == before + 1
+
+
+def retries(function: str) -> float:
+    return COMPILE_RETRIES.labels(function=function)._value.get()
+
+
+def row_softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x * 3, dim=-1)
+
+
+def test_inductor_failing_on_a_setting_compiles_again_with_the_safer_ones(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Torch 2.11's inductor crashed in persistent reductions on CUDA: the function is compiled
+    again with them off, and stays compiled (no eager fallback)."""
+    import torch._inductor.config as inductor
+    import torch._inductor.graph as graph
+
+    codegen = graph.GraphLowering.codegen
+    seen: list[bool] = []
+
+    def codegen_that_fails_in_persistent_reductions(self: object) -> object:
+        seen.append(inductor.triton.persistent_reductions)
+        if inductor.triton.persistent_reductions:
+            raise TypeError("list indices must be integers or slices, not NoneType")
+        return codegen(self)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(graph.GraphLowering, "codegen", codegen_that_fails_in_persistent_reductions)
+    torch._dynamo.reset()
+    before = retries("row softmax"), fallbacks("row softmax")
+    fn = compile_or_eager(row_softmax, name="row softmax", fullgraph=True)
+    x = torch.randn(3, 40)
+    with (
+        inductor.patch(fx_graph_cache=False),
+        caplog.at_level(logging.WARNING, logger="neuron_worker.compile_fallback"),
+    ):
+        assert torch.allclose(fn(x), row_softmax(x))
+        assert torch.allclose(fn(x[:2]), row_softmax(x[:2]))  # a new shape: compiled again
+    assert seen[0] and len(seen) >= 2 and not any(seen[1:])  # the safer settings stay
+    assert "the compiler failed on row softmax; compiling it again with" in caplog.text
+    assert "persistent_reductions" in caplog.text and "serving it eager" not in caplog.text
+    assert (retries("row softmax"), fallbacks("row softmax")) == (before[0] + 1, before[1])
+    assert inductor.triton.persistent_reductions  # only that function's compiles changed
 
 
 def test_a_working_backend_is_used_and_nothing_is_counted() -> None:
