@@ -226,9 +226,13 @@ def _sample_random(
     # Top-p keeps the smallest prefix whose mass reaches p: a column stays while the mass before
     # it is below p. The best column always stays.
     keep = (pos < k) & ((sorted_cdf - sorted_w) < top_p.unsqueeze(1) * total) | (pos == 0)
-    kept_cdf = (sorted_w * keep).cumsum(dim=-1)
-    j = (kept_cdf < u * kept_cdf[:, -1:]).sum(dim=-1).clamp(max=width - 1)
-    filtered = order.gather(1, j.unsqueeze(1)).squeeze(1)
+    # The kept columns are a prefix of the sorted row (both conditions only ever turn false
+    # further right), so their CDF is `sorted_cdf`'s first `n` entries: no second scan. (A second
+    # cumsum over the masked row crashed torch 2.11's Triton code generation on CUDA.)
+    n = keep.sum(dim=-1, keepdim=True)
+    kept_total = sorted_cdf.gather(1, n - 1)
+    j = torch.minimum((sorted_cdf < u * kept_total).sum(dim=-1, keepdim=True), n - 1)
+    filtered = order.gather(1, j).squeeze(1)
     return torch.where((top_k > 0) | (top_p < 1), filtered, plain)
 
 
