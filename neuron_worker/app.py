@@ -130,6 +130,7 @@ def draft_config(args: argparse.Namespace) -> DraftConfig | None:
             min_n=min_n if args.ngram_min is None else args.ngram_min,
             max_n=max_n if args.ngram_max is None else args.ngram_max,
             pass_tokens=verify_pass_tokens(args),
+            gate=getattr(args, "speculation_gate", True),
         )
     except ValueError as e:
         raise SystemExit(f"--speculative ngram: {e}") from None

@@ -170,6 +170,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "cpu, where a wider pass costs more than its drafts save; no limit elsewhere; 0: none)",
     )
     p.add_argument(
+        "--speculation-gate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="verify a step's drafts only when the step costs measured so far say the tokens "
+        "they are expected to add pay for the wider pass (default on; off: verify every draft)",
+    )
+    p.add_argument(
         "--draft-match",
         choices=("text", "tokens"),
         default="text",

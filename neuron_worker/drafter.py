@@ -43,6 +43,8 @@ class DraftConfig:
     # Most tokens in one verification pass, all rows together (0 = no limit): drafts beyond it
     # are not proposed (see `neuron_worker.engine`, `_plan_drafts`).
     pass_tokens: int = 0
+    # Verify drafts only when the measured step costs say they pay (`speculation_gate`).
+    gate: bool = True
     # Consecutive fully rejected proposals before drafting pauses.
     patience: int = 2
     # First pause, in steps (doubles per pause, capped at `max_cooldown`).
@@ -235,6 +237,7 @@ class DraftBudget:
     pauses: int = 0
     proposed: int = field(default=0)
     accepted: int = field(default=0)
+    rejections: int = field(default=0)  # verifications that stopped at a rejected draft
 
     def __post_init__(self) -> None:
         if self.k <= 0:
@@ -247,6 +250,11 @@ class DraftBudget:
             return 0
         return self.k
 
+    def acceptance(self) -> float:
+        """The chance that a draft is accepted given the ones before it were: accepted drafts
+        over accepted drafts and rejections, from a prior of one of each."""
+        return (self.accepted + 1) / (self.accepted + self.rejections + 2)
+
     def record(self, proposed: int, accepted: int) -> None:
         """The outcome of a verification: `proposed` drafts reached the forward pass and the
         model agreed with the first `accepted` of them."""
@@ -254,6 +262,7 @@ class DraftBudget:
             return
         self.proposed += proposed
         self.accepted += accepted
+        self.rejections += accepted < proposed
         c = self.config
         if accepted == proposed:
             self.k = min(c.num_draft_tokens, self.k + 1)

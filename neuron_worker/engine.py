@@ -45,6 +45,7 @@ from neuron_worker.metrics import Metrics
 from neuron_worker.penalties import OccurrenceTable
 from neuron_worker.request import Request, State, TokenLogprob
 from neuron_worker.scheduler import Scheduler
+from neuron_worker.speculation_gate import SpeculationGate
 from neuron_worker.step_device import (
     DeviceLostError,
     Extras,
@@ -129,6 +130,8 @@ class Engine:
         self.pad_slot = device.pad_slot
         self.forward = device.runner  # the shapes of passes; `device.forward` runs them
         self.compiles = CompileCounter(self.metrics.compiled_while_serving)
+        spec = config.speculative
+        self.gate = SpeculationGate() if spec is not None and spec.gate else None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -439,12 +442,32 @@ class Engine:
     # ------------------------------------------------------------------ decode
     async def _decode(self, batch: list[Request]) -> None:
         """One decode step: plan drafts, then a speculative step (`_speculate`) when some row
-        has drafts or may get forced ones, else a plain step."""
-        drafts = self._plan_drafts(batch)
-        if any(drafts.values()) or self._forced_drafts_apply(batch):
+        has drafts worth verifying (`SpeculationGate`) or may get forced ones, else a plain
+        step. The gate learns from the step's wall time."""
+        drafts = self._worth_verifying(batch, self._plan_drafts(batch))
+        started = time.perf_counter()
+        if drafts or self._forced_drafts_apply(batch):
             await self._speculate(batch, drafts)
+            if self.gate is not None:
+                n = sum(len(d) for d in drafts.values())
+                self.gate.record_speculative(len(batch), n, time.perf_counter() - started)
         else:
             await self._decode_plain(batch)
+            if self.gate is not None:
+                self.gate.record_plain(len(batch), time.perf_counter() - started)
+
+    def _worth_verifying(
+        self, batch: list[Request], drafts: dict[Request, list[int]]
+    ) -> dict[Request, list[int]]:
+        """The drafts this step verifies: all of them, or none when the gate finds the wider
+        pass not worth the tokens they are expected to add."""
+        if self.gate is None or not drafts:
+            return drafts
+        rows = [(len(d), r.budget.acceptance() if r.budget else 0.5) for r, d in drafts.items()]
+        if self.gate.worth_it(len(batch), rows):
+            return drafts
+        self.metrics.drafts(declined=sum(k for k, _ in rows))
+        return {}
 
     def _forced_drafts_apply(self, batch: list[Request]) -> bool:
         """Whether a step should ask the grammar for forced drafts although no row has its own:

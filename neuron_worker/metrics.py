@@ -46,10 +46,10 @@ FORWARD_PASSES = prom.Counter(
 DRAFT_TOKENS = prom.Counter(
     "maskwire_worker_draft_tokens_total",
     "Speculative draft tokens: proposed by the drafter or forced by the grammar (drafts of the "
-    "bytes it forces after its jump-forward tokens), kept for a verification pass, accepted by "
-    "verification (acceptance rate = accepted / kept; tokens per forward pass = "
-    "generated_tokens_total / forward_passes_total)",
-    ["stage"],  # proposed | forced | kept | accepted
+    "bytes it forces after its jump-forward tokens), declined (the step was not worth a "
+    "verification pass), kept for a verification pass, accepted by verification (acceptance rate "
+    "= accepted / kept; tokens per forward pass = generated_tokens_total / forward_passes_total)",
+    ["stage"],  # proposed | forced | declined | kept | accepted
 )
 QUEUE_DEPTH = prom.Gauge("maskwire_worker_queue_depth", "Requests waiting for a KV slot")
 RUNNING = prom.Gauge("maskwire_worker_running_requests", "Requests holding a KV slot")
@@ -105,6 +105,7 @@ class EngineStats:
     compiles_while_serving: int = 0
     draft_proposed: int = 0
     draft_forced: int = 0
+    draft_declined: int = 0
     draft_kept: int = 0
     draft_accepted: int = 0
 
@@ -154,17 +155,26 @@ class Metrics:
             TOKENS.labels("forced").inc(forced)
 
     def drafts(
-        self, *, proposed: int = 0, forced: int = 0, kept: int = 0, accepted: int = 0
+        self,
+        *,
+        proposed: int = 0,
+        forced: int = 0,
+        declined: int = 0,
+        kept: int = 0,
+        accepted: int = 0,
     ) -> None:
-        """Speculative decoding: drafts proposed by the drafter or forced by the grammar, kept
-        by the grammar (and the length limits) for a verification pass, accepted by the sampler."""
+        """Speculative decoding: drafts proposed by the drafter or forced by the grammar,
+        declined by the speculation gate, kept by the grammar (and the length limits) for a
+        verification pass, accepted by the sampler."""
         self.stats.draft_proposed += proposed
         self.stats.draft_forced += forced
+        self.stats.draft_declined += declined
         self.stats.draft_kept += kept
         self.stats.draft_accepted += accepted
         stages = (
             ("proposed", proposed),
             ("forced", forced),
+            ("declined", declined),
             ("kept", kept),
             ("accepted", accepted),
         )

@@ -49,11 +49,18 @@ def periodic(seq: Sequence[int]) -> int:
     return CYCLE[(k + 1) % len(CYCLE)]
 
 
-def token_drafts(k: int, pass_tokens: int = 0) -> DraftConfig:
+def token_drafts(k: int, pass_tokens: int = 0, gate: bool = False) -> DraftConfig:
     """Token n-gram drafts: the fake model's token sequences are not how the tokenizer would
-    spell their text, so the text drafter (rightly) finds nothing to propose in them."""
+    spell their text, so the text drafter (rightly) finds nothing to propose in them. The
+    speculation gate is off unless asked for: its decisions follow measured wall times, and these
+    tests count what verification does with every draft."""
     return DraftConfig(
-        num_draft_tokens=k, match="tokens", min_n=1, max_n=4, pass_tokens=pass_tokens
+        num_draft_tokens=k,
+        match="tokens",
+        min_n=1,
+        max_n=4,
+        pass_tokens=pass_tokens,
+        gate=gate,
     )
 
 
@@ -284,6 +291,48 @@ async def test_speculation_changes_no_output_and_saves_passes(
     assert verified_drafts and all(REJECTED not in d for d in verified_drafts)
     assert any(final.finish_reason == worker_pb2.FINISH_REASON_STOP_STRING for *_, final in got)
     assert not spec.requests and not spec.scheduler.running
+
+
+async def gated_run(verify_s: float, decode_s: float) -> tuple[Engine, list[Any], list[Any]]:
+    """The workload on a plain engine and on a gated speculative one whose verification passes
+    take `verify_s` more and decode passes `decode_s` more (a stand-in for the device's costs)."""
+    plain, plain_model = make_engine(overlap=True, limit=30)
+    plain_model.rule = periodic
+    want = await run(plain, workload(0.0))
+    spec, spec_model = make_engine(overlap=True, limit=30, speculative=token_drafts(4, gate=True))
+    spec_model.rule = periodic
+    forward = spec._forward
+
+    async def costed(rows: list[Any], kind: str) -> torch.Tensor:
+        await asyncio.sleep(verify_s if kind == "verify" else decode_s)
+        return await forward(rows, kind)
+
+    spec._forward = costed  # type: ignore[method-assign]
+    got = await run(spec, workload(0.0))
+    for (ids, text, _), (ids0, text0, _) in zip(got, want, strict=True):
+        assert ids == ids0 and text == text0
+    return spec, got, want
+
+
+async def test_the_gate_declines_drafts_whose_pass_costs_more_than_they_gain() -> None:
+    """Verification passes 40x a decode pass: after trying each shape, the gate declines the
+    drafts (the output is the same), so few verification passes run."""
+    spec, _, _ = await gated_run(verify_s=0.04, decode_s=0.001)
+    stats = spec.metrics.stats
+    assert stats.draft_declined > stats.draft_kept > 0
+    assert stats.draft_declined + stats.draft_kept <= stats.draft_proposed
+    assert spec.gate is not None and spec.gate.plain and spec.gate.speculative
+
+
+async def test_the_gate_verifies_drafts_that_pay_for_their_pass() -> None:
+    """Passes that cost the same whatever their width (a launch-bound device): the gate verifies
+    nearly every draft and the run takes fewer passes than without speculation."""
+    spec, got, want = await gated_run(verify_s=0.01, decode_s=0.01)
+    stats = spec.metrics.stats
+    assert stats.draft_accepted > 0 and stats.draft_declined < stats.draft_proposed / 4
+    assert sum(f.usage.forward_passes for *_, f in got) < sum(
+        f.usage.forward_passes for *_, f in want
+    )
 
 
 async def test_drafts_stay_within_the_pass_token_budget() -> None:

@@ -1,0 +1,81 @@
+"""Whether a step's drafts are worth a verification pass, from the step costs measured so far.
+
+A speculative step computes 1 + k positions for a row with k drafts, waits for the grammar before
+its forward (no overlap) and samples every position; a plain step computes one position per row.
+Where the drafts are seldom accepted, that costs more than it gains: free text on an H200 at c8
+ran at 0.67x with speculation, the verify pass alone costing 1.37x a decode pass
+(docs/benchmarks.md, "CUDA: the second run"). The gate compares, for the step at hand,
+
+    expected tokens / cost of a speculative step of this shape   (each drafting row:
+        1 + a + a^2 + ... + a^k for its k drafts, a its acceptance so far; other rows: 1)
+    rows / cost of a plain step of this batch size
+
+and speculates when the first is at least the second. Costs are moving averages of measured step
+wall times, for plain steps by batch size and for speculative steps by batch size and draft count
+(rounded up to a power of two). A shape not measured yet is tried (a speculative shape first,
+then the plain one), and every `probe` decisions the other choice is taken once, so both
+estimates follow the load. Greedy output does not depend on the gate (verification is exact), and
+neither does sampling: a position's token is drawn with the same counter-based random number
+either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+K = TypeVar("K")
+
+
+def expected_tokens(k: int, acceptance: float) -> float:
+    """Tokens a row with `k` drafts emits in expectation: the sampled one, plus each draft while
+    all before it were accepted."""
+    return sum(acceptance**i for i in range(k + 1))
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass
+class SpeculationGate:
+    """Step-cost model and decision (module docstring). `weight`: the newest measurement's share
+    of a moving average. `probe`: every how many decisions the other choice is taken."""
+
+    weight: float = 0.2
+    probe: int = 32
+    plain: dict[int, float] = field(default_factory=dict)
+    speculative: dict[tuple[int, int], float] = field(default_factory=dict)
+    decisions: int = 0
+
+    def worth_it(self, rows: int, drafts: Sequence[tuple[int, float]]) -> bool:
+        """Whether to verify this step's drafts: `rows` in the batch, and for each row with
+        drafts their number and the row's acceptance estimate."""
+        n = sum(k for k, _ in drafts)
+        if n == 0:
+            return False
+        spec = self.speculative.get((rows, _bucket(n)))
+        plain = self.plain.get(rows)
+        if spec is None:
+            return True
+        if plain is None:
+            return False
+        gain = sum(expected_tokens(k, a) - 1 for k, a in drafts)
+        worth = (rows + gain) * plain >= rows * spec
+        self.decisions += 1
+        return not worth if self.decisions % self.probe == 0 else worth
+
+    def record_plain(self, rows: int, seconds: float) -> None:
+        """A plain step of `rows` rows took `seconds`."""
+        _average(self.plain, rows, seconds, self.weight)
+
+    def record_speculative(self, rows: int, drafts: int, seconds: float) -> None:
+        """A speculative step of `rows` rows verifying `drafts` drafts took `seconds`."""
+        if drafts > 0:
+            _average(self.speculative, (rows, _bucket(drafts)), seconds, self.weight)
+
+
+def _average(costs: dict[K, float], key: K, seconds: float, weight: float) -> None:
+    old = costs.get(key)
+    costs[key] = seconds if old is None else old + weight * (seconds - old)
