@@ -9,8 +9,9 @@ One decode step, for the running requests (each holds the token it sampled last,
     reorder + unpack + mask + sample                      (device thread, compiled sampler)
     append, detokenize, stop checks, stream deltas        (event loop)
 
-With `--speculative ngram`, a step where some request has draft tokens (or, without overlap, any
-step with a constrained row: the grammar may draft what it forces) runs as named stages instead
+With `--speculative ngram`, a step where some request has draft tokens that the speculation gate
+finds worth a verification pass (or, without overlap, any step with a constrained row: the
+grammar may draft what it forces) runs as named stages instead
 (`_speculate`): plan drafts -> grammar checks them and adds its forced drafts (serial) -> one
 verification forward over pending + forced + kept drafts -> sample every position -> commit the
 accepted run.
