@@ -226,6 +226,10 @@ class TextDrafter:
             limit = p + len(word) - 1
 
 
+# The weight of a request's previous verification against its latest in its acceptance estimate.
+RECENT = 0.7
+
+
 @dataclass
 class DraftBudget:
     """How many drafts one request gets per step (module docstring)."""
@@ -237,7 +241,10 @@ class DraftBudget:
     pauses: int = 0
     proposed: int = field(default=0)
     accepted: int = field(default=0)
-    rejections: int = field(default=0)  # verifications that stopped at a rejected draft
+    # Accepted drafts and rejections (verifications that stopped at a rejected draft), each
+    # verification's counts weighted `RECENT` times the one before: copies come in runs.
+    recent_accepted: float = field(default=0.0)
+    recent_rejections: float = field(default=0.0)
 
     def __post_init__(self) -> None:
         if self.k <= 0:
@@ -251,9 +258,9 @@ class DraftBudget:
         return self.k
 
     def acceptance(self) -> float:
-        """The chance that a draft is accepted given the ones before it were: accepted drafts
-        over accepted drafts and rejections, from a prior of one of each."""
-        return (self.accepted + 1) / (self.accepted + self.rejections + 2)
+        """The chance that a draft is accepted given the ones before it were: recent accepted
+        drafts over recent accepted drafts and rejections, from a prior of one of each."""
+        return (self.recent_accepted + 1) / (self.recent_accepted + self.recent_rejections + 2)
 
     def record(self, proposed: int, accepted: int) -> None:
         """The outcome of a verification: `proposed` drafts reached the forward pass and the
@@ -262,7 +269,8 @@ class DraftBudget:
             return
         self.proposed += proposed
         self.accepted += accepted
-        self.rejections += accepted < proposed
+        self.recent_accepted = RECENT * self.recent_accepted + accepted
+        self.recent_rejections = RECENT * self.recent_rejections + (accepted < proposed)
         c = self.config
         if accepted == proposed:
             self.k = min(c.num_draft_tokens, self.k + 1)

@@ -449,13 +449,13 @@ class Engine:
         started = time.perf_counter()
         if drafts or self._forced_drafts_apply(batch):
             await self._speculate(batch, drafts)
-            if self.gate is not None:
-                n = sum(len(d) for d in drafts.values())
-                self.gate.record_speculative(len(batch), n, time.perf_counter() - started)
         else:
             await self._decode_plain(batch)
-            if self.gate is not None:
-                self.gate.record_plain(len(batch), time.perf_counter() - started)
+        if self.gate is not None:
+            # A step without drafts of its own (forced drafts only) is what the gate's "no"
+            # costs: it counts as a plain step.
+            n = sum(len(d) for d in drafts.values())
+            self.gate.record(len(batch), n, time.perf_counter() - started)
 
     def _worth_verifying(
         self, batch: list[Request], drafts: dict[Request, list[int]]

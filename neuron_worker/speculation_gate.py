@@ -11,10 +11,12 @@ ran at 0.67x with speculation, the verify pass alone costing 1.37x a decode pass
     rows / cost of a plain step of this batch size
 
 and speculates when the first is at least the second. Costs are moving averages of measured step
-wall times, for plain steps by batch size and for speculative steps by batch size and draft count
-(rounded up to a power of two). A shape not measured yet is tried (a speculative shape first,
-then the plain one), and every `probe` decisions the other choice is taken once, so both
-estimates follow the load. Greedy output does not depend on the gate (verification is exact), and
+wall times, for plain steps by batch size and for speculative steps by the tokens of their pass
+(rows + drafts, rounded up to a power of two: what a pass costs is mostly a function of its
+tokens, flat on a launch-bound device, growing on a compute-bound one; few shapes keep the
+exploration short). A shape not measured yet is tried (a speculative shape first, then the plain
+one), and every `probe` decisions the other choice is taken once, so both estimates follow the
+load. Greedy output does not depend on the gate (verification is exact), and
 neither does sampling: a position's token is drawn with the same counter-based random number
 either way.
 """
@@ -44,9 +46,9 @@ class SpeculationGate:
     of a moving average. `probe`: every how many decisions the other choice is taken."""
 
     weight: float = 0.2
-    probe: int = 32
+    probe: int = 128
     plain: dict[int, float] = field(default_factory=dict)
-    speculative: dict[tuple[int, int], float] = field(default_factory=dict)
+    speculative: dict[int, float] = field(default_factory=dict)
     decisions: int = 0
 
     def worth_it(self, rows: int, drafts: Sequence[tuple[int, float]]) -> bool:
@@ -55,7 +57,7 @@ class SpeculationGate:
         n = sum(k for k, _ in drafts)
         if n == 0:
             return False
-        spec = self.speculative.get((rows, _bucket(n)))
+        spec = self.speculative.get(_bucket(rows + n))
         plain = self.plain.get(rows)
         if spec is None:
             return True
@@ -66,14 +68,12 @@ class SpeculationGate:
         self.decisions += 1
         return not worth if self.decisions % self.probe == 0 else worth
 
-    def record_plain(self, rows: int, seconds: float) -> None:
-        """A plain step of `rows` rows took `seconds`."""
-        _average(self.plain, rows, seconds, self.weight)
-
-    def record_speculative(self, rows: int, drafts: int, seconds: float) -> None:
-        """A speculative step of `rows` rows verifying `drafts` drafts took `seconds`."""
+    def record(self, rows: int, drafts: int, seconds: float) -> None:
+        """A step of `rows` rows verifying `drafts` drafts (0: a plain step) took `seconds`."""
         if drafts > 0:
-            _average(self.speculative, (rows, _bucket(drafts)), seconds, self.weight)
+            _average(self.speculative, _bucket(rows + drafts), seconds, self.weight)
+        else:
+            _average(self.plain, rows, seconds, self.weight)
 
 
 def _average(costs: dict[K, float], key: K, seconds: float, weight: float) -> None:

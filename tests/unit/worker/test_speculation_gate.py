@@ -17,20 +17,21 @@ def test_expected_tokens_counts_each_draft_while_all_before_it_are_accepted() ->
 
 def test_unmeasured_shapes_are_tried_first() -> None:
     gate = SpeculationGate()
-    assert gate.worth_it(8, [(4, 0.1)])  # no speculative step of this shape yet
-    gate.record_speculative(8, 4, 0.012)
+    assert gate.worth_it(8, [(4, 0.1)])  # no speculative pass of 12 (-> 16) tokens yet
+    gate.record(8, 4, 0.012)
     assert not gate.worth_it(8, [(4, 0.9)])  # no plain step of 8 rows yet
-    gate.record_plain(8, 0.010)
-    assert gate.worth_it(8, [(3, 0.9)])  # 3 drafts share the 4-draft shape: measured
-    assert gate.worth_it(4, [(4, 0.1)])  # another batch size: not measured
-    assert gate.worth_it(8, [(5, 0.1)])  # 5 drafts: the 8-draft shape, not measured
+    gate.record(8, 0, 0.010)
+    assert gate.worth_it(8, [(3, 0.9)])  # 11 tokens share the 16-token shape: measured
+    assert not gate.worth_it(8, [(4, 0.1)])  # measured, and not worth it
+    assert gate.worth_it(8, [(4, 0.1), (5, 0.1)])  # 17 tokens: the 32-token shape, unmeasured
+    assert not gate.worth_it(4, [(8, 0.9)])  # 12 tokens, measured; no plain step of 4 rows
     assert not gate.worth_it(8, [])
 
 
 def test_speculates_when_the_expected_tokens_pay_for_the_wider_step() -> None:
     gate = SpeculationGate(probe=1000)
-    gate.record_plain(8, 0.010)
-    gate.record_speculative(8, 8, 0.0137)  # a verify step 1.37x a plain one (the H200's)
+    gate.record(8, 0, 0.010)
+    gate.record(8, 8, 0.0137)  # a verify step 1.37x a plain one (the H200's)
     # Free text: two rows with 4 drafts each at 16% acceptance add 0.38 tokens to 8: no.
     assert not gate.worth_it(8, [(4, 0.16), (4, 0.16)])
     # Extraction: two rows at 80% add 4.7 tokens to 8: yes.
@@ -39,26 +40,28 @@ def test_speculates_when_the_expected_tokens_pay_for_the_wider_step() -> None:
 
 def test_every_probe_th_decision_takes_the_other_choice() -> None:
     gate = SpeculationGate(probe=4)
-    gate.record_plain(1, 0.010)
-    gate.record_speculative(1, 4, 0.100)
+    gate.record(1, 0, 0.010)
+    gate.record(1, 4, 0.100)
     decisions = [gate.worth_it(1, [(4, 0.5)]) for _ in range(8)]
     assert decisions == [False, False, False, True] * 2
 
 
 def test_costs_are_moving_averages_of_the_measured_steps() -> None:
     gate = SpeculationGate(weight=0.5)
-    gate.record_plain(2, 0.010)
-    gate.record_plain(2, 0.020)
-    gate.record_speculative(2, 3, 0.040)
-    gate.record_speculative(2, 4, 0.020)
-    gate.record_speculative(2, 0, 1.0)  # no drafts verified: not a speculative shape
+    gate.record(2, 0, 0.010)
+    gate.record(2, 0, 0.020)
+    gate.record(2, 3, 0.040)
+    gate.record(2, 4, 0.020)
     assert gate.plain == {2: pytest.approx(0.015)}
-    assert gate.speculative == {(2, 4): pytest.approx(0.030)}
+    assert gate.speculative == {8: pytest.approx(0.030)}  # passes of 5 and 6 tokens
 
 
 def test_a_budgets_acceptance_estimate_follows_its_verifications() -> None:
     budget = DraftBudget(DraftConfig(num_draft_tokens=4))
     assert budget.acceptance() == 0.5  # the prior: one accepted, one rejected
     budget.record(4, 4)  # all accepted: no rejection
-    budget.record(4, 2)  # two accepted, then a rejection
-    assert budget.acceptance() == pytest.approx((6 + 1) / (6 + 1 + 2))
+    budget.record(4, 2)  # two accepted, then a rejection; the one before weighs 0.7
+    assert budget.acceptance() == pytest.approx((4.8 + 1) / (4.8 + 1 + 2))
+    for _ in range(8):
+        budget.record(1, 0)  # a run of misses: the estimate follows them down
+    assert budget.acceptance() < 0.25
