@@ -108,9 +108,18 @@ def compile_or_eager(fn: F, *, name: str, **options: Any) -> F:
 
 def fallback_counts() -> dict[str, float]:
     """How many times each function fell back to eager in this process, by name."""
+    return _by_function(EAGER_FALLBACKS)
+
+
+def retry_counts() -> dict[str, float]:
+    """How many times each function was compiled again with `SAFER_SETTINGS`, by name."""
+    return _by_function(COMPILE_RETRIES)
+
+
+def _by_function(counter: Any) -> dict[str, float]:
     return {
         sample.labels["function"]: sample.value
-        for metric in EAGER_FALLBACKS.collect()
+        for metric in counter.collect()
         for sample in metric.samples
         if sample.name.endswith("_total")
     }
