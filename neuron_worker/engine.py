@@ -464,7 +464,10 @@ class Engine:
         pass not worth the tokens they are expected to add."""
         if self.gate is None or not drafts:
             return drafts
-        rows = [(len(d), r.budget.acceptance() if r.budget else 0.5) for r, d in drafts.items()]
+        rows = []
+        for r, d in drafts.items():
+            assert r.budget is not None  # made with its drafter
+            rows.append((len(d), r.budget.acceptance()))
         if self.gate.worth_it(len(batch), rows):
             return drafts
         self.metrics.drafts(declined=sum(k for k, _ in rows))
