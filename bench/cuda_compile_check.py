@@ -113,9 +113,7 @@ def main() -> int:
         retried_before = retry_counts()
         print(f"== {name}", flush=True)
         graphs = warm_up(model, args.worker_flags.split(), args.device)
-        fell = {
-            k: v - before.get(k, 0) for k, v in fallback_counts().items() if v > before.get(k, 0)
-        }
+        fell = [k for k, v in fallback_counts().items() if v > before.get(k, 0)]
         verdict = f"eager fallbacks: {sorted(fell)}" if fell else "every graph compiled"
         retried = [k for k, v in retry_counts().items() if v > retried_before.get(k, 0)]
         if retried:
