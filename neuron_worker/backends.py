@@ -46,6 +46,8 @@ class Backend:
 
     def __init__(self, *, compile: bool = False) -> None:
         self.compile_enabled = compile
+        # Replay the compiled decode pass as captured CUDA graphs (`neuron_worker.cuda_graphs`).
+        self.cuda_graphs = False
         self.device = torch.device("cpu")
 
     def compile(self, fn: F, *, name: str = "", dynamic: bool = False) -> F:
@@ -90,10 +92,11 @@ class Backend:
 class CudaBackend(Backend):
     name = "cuda"
 
-    def __init__(self, *, compile: bool = False) -> None:
+    def __init__(self, *, compile: bool = False, cuda_graphs: bool = False) -> None:
         if not torch.cuda.is_available():
             raise BackendError("--device cuda: no CUDA device is visible to torch")
         super().__init__(compile=compile)
+        self.cuda_graphs = cuda_graphs and compile
         self.device = torch.device("cuda", torch.cuda.current_device())
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -162,15 +165,17 @@ class XlaBackend(Backend):
         return f"xla ({xr.device_type()})"
 
 
-def create_backend(device: str, *, compile: bool | None = None) -> Backend:
-    """The backend for `--device`; `compile=None` means off (eager) until compiled graphs have
-    been validated on the device (`--compile` turns them on)."""
+def create_backend(
+    device: str, *, compile: bool | None = None, cuda_graphs: bool = False
+) -> Backend:
+    """The backend for `--device`; `compile=None` means off (eager; `tuning.resolve` decides the
+    worker's default). `cuda_graphs`: CUDA only, with `compile`."""
     if device not in DEVICES:
         raise BackendError(f"unknown device {device!r}; expected one of {', '.join(DEVICES)}")
     if compile is None:
         compile = False
     if device == "cuda":
-        return CudaBackend(compile=compile)
+        return CudaBackend(compile=compile, cuda_graphs=cuda_graphs)
     if device == "xla":
         return XlaBackend(compile=compile)
     return Backend(compile=compile)

@@ -143,6 +143,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "is built before the worker reports ready)",
     )
     p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay the compiled decode pass as CUDA graphs captured at warm-up, one per (rows, "
+        "KV length) bucket (default: on for --device cuda when compiled)",
+    )
+    p.add_argument(
         "--jump-forward",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -49,6 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from neuron_worker.backends import Backend
+from neuron_worker.cuda_graphs import DecodeGraphs
 from neuron_worker.saved_graphs import SavedGraphs
 from neuron_worker.scheduler import bucket_for, forward_shapes
 
@@ -170,6 +171,16 @@ class ForwardRunner:
                 fallbacks=self._functions,
             )
         self._kv: Tensor | None = None
+        # Decode passes of up to a step's widest (every row with its drafts) replay CUDA graphs.
+        self._cuda_graphs: DecodeGraphs | None = None
+        if backend.cuda_graphs and self.dynamic:
+            self._cuda_graphs = DecodeGraphs(
+                self._functions["step_logits"],
+                widest=min(self.flat_rows, max(2, max_rows) * self.verify_width),
+                max_seq=max_seq,
+                pad_slot=pad_slot,
+                mark_dynamic=self._mark_dynamic,
+            )
 
     # ------------------------------------------------------------------ shapes
     def shape(self, rows: int, tokens: int, end: int) -> tuple[int, int, int]:
@@ -228,6 +239,17 @@ class ForwardRunner:
         backend = self.backend
         prefill = q.prefill and "prefill_logits" in self._functions
         function = "prefill_logits" if prefill else "step_logits"
+        graphs = self._cuda_graphs
+        one_token = q.tokens.shape[1] == 1
+        if (
+            graphs is not None
+            and not prefill
+            and one_token
+            and graphs.covers(q.tokens.shape[0], q.kv_len)
+        ):
+            with backend.inference_mode():
+                last = backend.to_device(torch.from_numpy(q.last))
+                return graphs.run(q.tokens, q.positions, q.slots, last, q.kv_len)
         with backend.inference_mode():
             args = (
                 backend.to_device(torch.from_numpy(q.tokens)),
@@ -295,6 +317,9 @@ class ForwardRunner:
             role = " prefill" if prefill else ""
             on_graph(f"forward{role} rows={rows} tokens={tokens} kv_len={kv} logits={outputs}")
             count += 1
+        if self._cuda_graphs is not None:
+            with self.backend.inference_mode():
+                count += self._cuda_graphs.capture(self._kv_positions(self.max_seq), on_graph)
         return count
 
     def _warmup_shapes(self) -> list[tuple[int, int, int, int, bool]]:

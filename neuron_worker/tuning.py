@@ -40,11 +40,13 @@ class Tuning:
     warmup: bool
     compile_cache: Path | None
     overlap: bool
+    cuda_graphs: bool = False
 
     def describe(self) -> str:
         return (
             f"dtype {str(self.dtype).removeprefix('torch.')}, "
             f"{'compiled' if self.compile else 'eager'}, quantize {self.quantize}, "
+            f"CUDA graphs {'on' if self.cuda_graphs else 'off'}, "
             f"compile cache {self.compile_cache or 'off'}, "
             f"grammar overlap {'on' if self.overlap else 'off'}"
         )
@@ -104,6 +106,7 @@ def resolve(
     compile_cache: str | None,
     overlap: bool | None = None,
     tensor_parallel: int = 1,
+    cuda_graphs: bool | None = None,
 ) -> Tuning:
     """Turn the flags (`auto` / None = decide here) into settings. `tensor_parallel` > 1: the
     sharded model runs eager with unquantized kernels (its collectives are not traced into
@@ -143,17 +146,23 @@ def resolve(
     cache: Path | None = None
     if compiled and compile_cache != "":
         cache = Path(compile_cache) if compile_cache else default_compile_cache()
+    # Every graph a request can hit is built before the worker reports ready.
+    warm = warmup if warmup is not None else (compiled or device == "xla")
+    # CUDA graphs replay the compiled decode pass; they are captured at warm-up.
+    graphable = device == "cuda" and compiled and warm
+    if cuda_graphs and not graphable:
+        raise SystemExit("--cuda-graphs needs --device cuda, compiled graphs and the warm-up")
     return Tuning(
         dtype=resolved_dtype,
         compile=compiled,
         quantize=quantize,
-        # Every graph a request can hit is built before the worker reports ready.
-        warmup=warmup if warmup is not None else (compiled or device == "xla"),
+        warmup=warm,
         compile_cache=cache,
         # Overlap hides the grammar round trip (~1 ms) behind the forward, but then forced tokens
         # cost a pass of their own instead of riding with the sampled token: worth it only where
         # a forward takes a few ms (an accelerator), not on a CPU (20-40 ms per pass).
         overlap=overlap if overlap is not None else device != "cpu",
+        cuda_graphs=cuda_graphs if cuda_graphs is not None else graphable,
     )
 
 

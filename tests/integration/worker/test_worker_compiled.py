@@ -45,7 +45,7 @@ SETTINGS = re.compile(r"compile cache \S+: (\d+) graphs loaded from it, (\d+) co
 
 def expected_settings() -> str:
     if TEST_WORKER_DEVICE == "cuda":  # native bf16; the 4-bit kernels are CPU ones
-        return "worker settings: dtype bfloat16, compiled, quantize none"
+        return "worker settings: dtype bfloat16, compiled, quantize none, CUDA graphs on"
     if native_bf16("cpu"):
         return "worker settings: dtype bfloat16, compiled, quantize int4"
     if cpu_kernel_set() is not None:  # the AVX2 kernel: fp32 activations, 4-bit weights
@@ -98,8 +98,10 @@ def test_the_default_configuration_compiles_everything_before_ready(
     # Each warm-up graph is logged with its time, so an operator sees where a cold start goes.
     total = re.search(r"warm-up ran (\d+) graphs", log)
     assert total, log[-3000:]
-    timed = re.findall(r"warm-up: (forward|sampler|jump-forward) .* in \d+\.\ds", log)
+    timed = re.findall(r"warm-up: (forward|sampler|jump-forward|cuda graph) .* in \d+\.\ds", log)
     assert len(timed) == int(total.group(1)) and "forward" in timed, log[-3000:]
+    # on CUDA the decode pass is captured too, once per (rows, KV length) bucket
+    assert ("cuda graph" in timed) == (TEST_WORKER_DEVICE == "cuda"), log[-3000:]
 
 
 async def mixed_load(address: str) -> list[Result]:
@@ -161,6 +163,7 @@ async def test_a_mixed_load_is_served_without_compiling(
     assert metric(port, "maskwire_worker_compiles_while_serving_total") == 0
     assert "compiled while serving" not in worker.log_text()
     assert "serving it eager" not in worker.log_text()  # nothing fell back to eager
+    assert "serving it compiled" not in worker.log_text()  # every CUDA graph was captured
 
 
 async def test_a_restart_loads_every_graph_from_the_cache(

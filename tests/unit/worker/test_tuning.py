@@ -98,6 +98,19 @@ def test_tensor_parallel_runs_eager_and_unquantized(bf16_cpu: None) -> None:
         settings(device="xla", tensor_parallel=2)
 
 
+def test_cuda_graphs_are_the_compiled_cuda_default_and_refused_elsewhere() -> None:
+    assert settings(device="cuda").cuda_graphs
+    assert "CUDA graphs on" in settings(device="cuda").describe()
+    assert not settings(device="cuda", cuda_graphs=False).cuda_graphs
+    # they replay compiled graphs captured at warm-up
+    assert not settings(device="cuda", compile=False).cuda_graphs
+    assert not settings(device="cuda", warmup=False).cuda_graphs
+    assert not settings().cuda_graphs and "CUDA graphs off" in settings().describe()
+    for flags in ({"device": "cpu"}, {"device": "cuda", "compile": False}, {"device": "xla"}):
+        with pytest.raises(SystemExit, match="--cuda-graphs needs --device cuda"):
+            settings(cuda_graphs=True, **flags)
+
+
 def test_xla_is_bucketed_eager_torch_with_warm_up() -> None:
     t = settings(device="xla")
     assert (t.dtype, t.compile, t.quantize, t.warmup) == (torch.float32, False, "none", True)
