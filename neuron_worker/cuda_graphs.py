@@ -62,11 +62,24 @@ def padded_rows(
 
 @dataclass
 class _Captured:
+    """A graph and the buffers it reads and writes: every one must outlive the graph (a freed
+    input's memory would be handed to another tensor while the graph still reads it)."""
+
     graph: torch.cuda.CUDAGraph
-    tokens: Tensor
-    positions: Tensor
-    slots: Tensor
+    inputs: tuple[Tensor, ...]  # tokens, positions, slots, kv positions, last
     logits: Tensor
+
+    @property
+    def tokens(self) -> Tensor:
+        return self.inputs[0]
+
+    @property
+    def positions(self) -> Tensor:
+        return self.inputs[1]
+
+    @property
+    def slots(self) -> Tensor:
+        return self.inputs[2]
 
 
 class DecodeGraphs:
@@ -138,7 +151,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits = self._fn(*args)
-        return _Captured(graph, args[0], args[1], args[2], logits)
+        return _Captured(graph, args, logits)
 
     def run(
         self,
