@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from neuron_worker.scheduler import next_pow2
+
 __all__ = ["BIAS_WIDTH", "OccurrenceTable", "PenaltyTensors", "apply_penalties"]
 
 BIAS_WIDTH = 300
@@ -143,5 +145,4 @@ class OccurrenceTable:
 
 def _padded(values: list[int], fill: int) -> Tensor:
     """``values`` padded with ``fill`` to the next power of two (at least 1)."""
-    size = 1 << max(0, (len(values) - 1).bit_length())
-    return torch.tensor(values + [fill] * (size - len(values)), dtype=torch.int64)
+    return torch.tensor(values + [fill] * (next_pow2(len(values)) - len(values)), dtype=torch.int64)

@@ -38,6 +38,11 @@ def parse_buckets(text: str, hi: int, lo: int) -> list[int]:
     return sorted({v for v in values if v < hi} | {hi})
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def bucket_for(buckets: Sequence[int], n: int) -> int:
     """Smallest bucket >= n (buckets sorted); n above the largest is a caller bug."""
     i = bisect.bisect_left(buckets, n)

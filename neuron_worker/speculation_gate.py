@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from neuron_worker.scheduler import next_pow2
+
 K = TypeVar("K")
 
 
@@ -34,10 +36,6 @@ def expected_tokens(k: int, acceptance: float) -> float:
     """Tokens a row with `k` drafts emits in expectation: the sampled one, plus each draft while
     all before it were accepted."""
     return sum(acceptance**i for i in range(k + 1))
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 @dataclass
@@ -57,7 +55,7 @@ class SpeculationGate:
         n = sum(k for k, _ in drafts)
         if n == 0:
             return False
-        spec = self.speculative.get(_bucket(rows + n))
+        spec = self.speculative.get(next_pow2(rows + n))
         plain = self.plain.get(rows)
         if spec is None:
             return True
@@ -71,7 +69,7 @@ class SpeculationGate:
     def record(self, rows: int, drafts: int, seconds: float) -> None:
         """A step of `rows` rows verifying `drafts` drafts (0: a plain step) took `seconds`."""
         if drafts > 0:
-            _average(self.speculative, _bucket(rows + drafts), seconds, self.weight)
+            _average(self.speculative, next_pow2(rows + drafts), seconds, self.weight)
         else:
             _average(self.plain, rows, seconds, self.weight)
 
