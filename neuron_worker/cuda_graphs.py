@@ -66,20 +66,8 @@ class _Captured:
     input's memory would be handed to another tensor while the graph still reads it)."""
 
     graph: torch.cuda.CUDAGraph
-    inputs: tuple[Tensor, ...]  # tokens, positions, slots, kv positions, last
+    inputs: tuple[Tensor, ...]  # tokens, positions, slots (refilled per replay), kv, last
     logits: Tensor
-
-    @property
-    def tokens(self) -> Tensor:
-        return self.inputs[0]
-
-    @property
-    def positions(self) -> Tensor:
-        return self.inputs[1]
-
-    @property
-    def slots(self) -> Tensor:
-        return self.inputs[2]
 
 
 class DecodeGraphs:
@@ -165,10 +153,9 @@ class DecodeGraphs:
         `last` names."""
         rows = bucket_for(self.rows, tokens.shape[0])
         captured = self._graphs[(rows, bucket_for(self.kv_lens, kv_len))]
-        tok, pos, slot = padded_rows(tokens, positions, slots, rows, self._pad_slot)
-        captured.tokens.copy_(torch.from_numpy(tok))
-        captured.positions.copy_(torch.from_numpy(pos))
-        captured.slots.copy_(torch.from_numpy(slot))
+        padded = padded_rows(tokens, positions, slots, rows, self._pad_slot)
+        for buffer, host in zip(captured.inputs, padded, strict=False):  # the first three
+            buffer.copy_(torch.from_numpy(host))
         captured.graph.replay()
         self.replays += 1
         return captured.logits.index_select(0, last)
