@@ -41,8 +41,9 @@ class Backend:
     """A device plus its compile and synchronisation rules."""
 
     name = "cpu"
-    # Static-shape device: compile every graph shape at startup (`Engine.warmup`) by default.
-    warmup_by_default = False
+    # Eager ops are traced into graphs (XLA): a step must issue the same ops whatever the values
+    # (an op run only on some steps would make each variation another graph to compile).
+    traces_ops = False
 
     def __init__(self, *, compile: bool = False) -> None:
         self.compile_enabled = compile
@@ -123,7 +124,7 @@ class XlaBackend(Backend):
     """
 
     name = "xla"
-    warmup_by_default = True
+    traces_ops = True
 
     def __init__(self, *, compile: bool = False) -> None:
         try:
