@@ -10,6 +10,8 @@ from typing import Any
 
 import httpx
 
+from maskwire.signal_flag import SignalFlag, StopFlag
+
 PROMPT = "Describe France: its name, its capital and its population."
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -75,9 +77,9 @@ def _post(url: str, body: dict[str, Any], out: dict[str, Any]) -> None:
         out["error"] = e
 
 
-def run_demo(gateway_url: str, stop: threading.Event | None = None) -> int:
+def run_demo(gateway_url: str, stop: StopFlag | None = None) -> int:
     """Send the demo request, print prompt, schema and the validated answer; 0 when valid."""
-    stop = stop or threading.Event()
+    stop = stop or SignalFlag()
     model = model_id(gateway_url)
     body = {
         "model": model,

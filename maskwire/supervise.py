@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from maskwire.lifeline import supervised_env
+from maskwire.signal_flag import StopFlag
 
 TAIL_LINES = 40
 
@@ -256,7 +257,7 @@ def stop_in_order(
 
 def watch(
     children: Sequence[Child],
-    stop: threading.Event,
+    stop: StopFlag,
     *,
     policies: Mapping[Child, RestartPolicy],
     on_death: Callable[[Child], None],

@@ -20,13 +20,14 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
+
+from maskwire.signal_flag import SignalFlag
 
 if TYPE_CHECKING:
     from maskwire.supervise import Child
@@ -219,8 +220,9 @@ class _Signals:
     """First SIGINT/SIGTERM asks for a graceful stop, a second one forces it."""
 
     def __init__(self) -> None:
-        self.stop = threading.Event()
-        self.force = threading.Event()
+        # Set from the handler: not `threading.Event`, whose `set` can deadlock there.
+        self.stop = SignalFlag()
+        self.force = SignalFlag()
         self.received = ""
         self._previous: dict[int, object] = {}
 

@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from maskwire.lifeline import hold_on
+from maskwire.signal_flag import SignalFlag
 
 ANSWER = '{"name": "France", "capital": "Paris", "population": 67000000}'
 
@@ -57,7 +58,7 @@ def main() -> None:
     host = rest[rest.index("--host") + 1]
     record(f"{command} start {' '.join(rest)}")
     ready = os.environ.get("FAKE_NEVER_READY") != command
-    stop = threading.Event()
+    stop = SignalFlag()  # not threading.Event: set from the SIGTERM handler
     if os.environ.get("FAKE_IGNORE_TERM") == command:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
@@ -83,8 +84,6 @@ def main() -> None:
         time.sleep(crash)
         print(f"fake {command}: boom, something broke", flush=True)
         sys.exit(3)
-    # A bounded wait: SIGTERM may land on one of grpc's threads, and then an unbounded wait in the
-    # main thread is never interrupted to run the handler (this made a test flaky in CI).
     while not stop.wait(0.2):
         pass
     record(f"{command} stop")
