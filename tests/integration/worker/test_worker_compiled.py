@@ -106,7 +106,8 @@ def test_the_default_configuration_compiles_everything_before_ready(
 
 async def mixed_load(address: str) -> list[Result]:
     """More requests than batch rows: prompts of many lengths, one near the context limit,
-    constrained and not, greedy and sampled, jump-forward (the choice and the schema's keys)."""
+    constrained and not, greedy and sampled, jump-forward (the choice and the schema's keys), logprobs with and
+    without the EOS ban and a penalty."""
     schema = SCHEMAS["enum_bool"]
     long_prompt = "Count with me: " + " ".join(str(i) for i in range(120))
     async with channel(address) as ch:
@@ -139,12 +140,22 @@ async def mixed_load(address: str) -> list[Result]:
                     seed=7,
                 ),
                 generate(stub, chat("Say hello."), max_tokens=20, temperature=0.7, seed=3),
+                # the logprob graph with and without the EOS ban and a penalty before it
+                generate(stub, chat("Say hi."), max_tokens=6, logprobs=True, top_logprobs=2),
+                generate(
+                    stub,
+                    chat("Say bye."),
+                    max_tokens=6,
+                    ignore_eos=True,
+                    frequency_penalty=0.5,
+                    logprobs=True,
+                ),
             )
         )
 
 
 def check(results: list[Result]) -> None:
-    paris, long, choice, regex, js, _ = results
+    paris, long, choice, regex, js, _, hi, bye = results
     assert paris.text.startswith(" Paris"), paris.text
     assert len(long.ids) == 12
     for r in (choice, regex, js):
@@ -152,6 +163,9 @@ def check(results: list[Result]) -> None:
     assert choice.text in CHOICES
     assert re.fullmatch(REGEX, regex.text), regex.text
     jsonschema.validate(json.loads(js.text), SCHEMAS["enum_bool"])
+    for r in (hi, bye):
+        assert len([lp for m in r.messages for lp in m.logprobs]) == len(r.ids), r.text
+    assert len(bye.ids) == 6
 
 
 async def test_a_mixed_load_is_served_without_compiling(
