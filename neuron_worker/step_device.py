@@ -370,8 +370,10 @@ class StepDevice:
         plain = self.runner.logits_rows(verify=False)
         dev = self.backend.to_device
         for n in self.runner.logits_rows():
-            with self.backend.inference_mode():  # as a forward's logits are (a graph guard)
-                logits = torch.zeros(n, self.width)
+            # Made on the device in inference mode, as a forward's logits are: the sampler's
+            # graphs are guarded on it (a copy made outside it would be an ordinary tensor).
+            with self.backend.inference_mode():
+                logits = dev(torch.zeros(n, self.width))
             for m in (m for m in plain if m <= n and n in plain):
                 self._replace(dev(logits), dev(logits[:m].clone()), [])
                 on_graph(f"jump-forward rows batch={n} rows={m}")

@@ -106,8 +106,8 @@ def test_the_default_configuration_compiles_everything_before_ready(
 
 async def mixed_load(address: str) -> list[Result]:
     """More requests than batch rows: prompts of many lengths, one near the context limit,
-    constrained and not, greedy and sampled, jump-forward (the choice and the schema's keys), logprobs with and
-    without the EOS ban and a penalty."""
+    constrained and not, greedy and sampled, jump-forward (the choice and the schema's keys),
+    logprobs with and without the EOS ban and a penalty."""
     schema = SCHEMAS["enum_bool"]
     long_prompt = "Count with me: " + " ".join(str(i) for i in range(120))
     async with channel(address) as ch:
