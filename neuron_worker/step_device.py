@@ -370,10 +370,8 @@ class StepDevice:
         plain = self.runner.logits_rows(verify=False)
         dev = self.backend.to_device
         for n in self.runner.logits_rows():
-            # Made on the device in inference mode, as a forward's logits are: the sampler's
-            # graphs are guarded on it (a copy made outside it would be an ordinary tensor).
-            with self.backend.inference_mode():
-                logits = dev(torch.zeros(n, self.width))
+            with self.backend.inference_mode():  # see `_warmup_logits`
+                logits = torch.zeros(n, self.width)
             for m in (m for m in plain if m <= n and n in plain):
                 self._replace(dev(logits), dev(logits[:m].clone()), [])
                 on_graph(f"jump-forward rows batch={n} rows={m}")
@@ -394,16 +392,23 @@ class StepDevice:
                     "seed": [0] * n,
                     "offset": [0] * n,
                 }
-                self._sample(dev(logits), SampleBatch(compact, dest, ban, params))
+                self._sample(self._warmup_logits(logits), SampleBatch(compact, dest, ban, params))
                 on_graph(f"sampler batch={n} {kind}")
                 count += 1
                 # With penalties and logprobs: their graphs (CPU/CUDA: once per bucket), or on
                 # XLA one sampler graph per kind that includes them.
                 batch = SampleBatch(compact, dest, ban, params, self._warmup_extras(n))
-                self._sample(dev(logits), batch)
+                self._sample(self._warmup_logits(logits), batch)
                 on_graph(f"sampler batch={n} {kind} with penalties and logprobs")
                 count += 1
         return count
+
+    def _warmup_logits(self, host: Tensor) -> Tensor:
+        """A fresh device copy of padding logits, made in inference mode as a forward's logits
+        are: the sampler's graphs are guarded on it (outside it, even a copy of an inference
+        tensor is an ordinary one)."""
+        with self.backend.inference_mode():
+            return self.backend.to_device(host)
 
     def _warmup_extras(self, n: int) -> Extras:
         """Penalties and logprobs for ``n`` padding rows (the pad slot, nothing penalised)."""

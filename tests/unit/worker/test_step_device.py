@@ -1,7 +1,10 @@
 """The device side of a sampling step: EOS banned for `ignore_eos` rows only, on steps with and
-without such a row."""
+without such a row; the warm-up and the logprob call hand the sampler's graphs what serving
+does (inference tensors, two distinct logits), so that serving never compiles them again."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,3 +56,71 @@ def test_only_rows_that_ignore_eos_lose_it() -> None:
     assert greedy(dev, [False, True, False, True]) == [EOS, OTHER, EOS, OTHER]
     assert greedy(dev, [True, True]) == [OTHER, OTHER]
     assert greedy(dev, [False, False]) == [EOS, EOS]
+
+
+class CopyingBackend(Backend):
+    """A CPU backend whose host-to-device copy really copies, as CUDA's does."""
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+
+class RecordingSampler(Sampler):
+    """Records what the compiled graphs would be guarded on: whether the logits are inference
+    tensors (a forward's are) and whether the logprob graph's two logits inputs are one tensor."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.inference: list[bool] = []
+        self.aliased: list[bool] = []
+
+    def __call__(self, logits: torch.Tensor, *args: Any) -> torch.Tensor:
+        self.inference.append(logits.is_inference())
+        return super().__call__(logits, *args)
+
+    def logprobs(self, raw: torch.Tensor, processed: torch.Tensor, *args: Any) -> Any:
+        self.inference += [raw.is_inference(), processed.is_inference()]
+        self.aliased.append(raw is processed)
+        return super().logprobs(raw, processed, *args)
+
+
+def recording_device(backend: Backend) -> tuple[StepDevice, RecordingSampler]:
+    dev = device(backend)
+    sampler = RecordingSampler(
+        vocab_size=V,
+        logits_size=V + 64,
+        max_rows=4,
+        device="cpu",
+        structured_outputs=True,
+        compile=False,
+    )
+    dev.sampler = sampler
+    dev.setup()
+    return dev, sampler
+
+
+def test_warm_up_feeds_the_sampler_what_serving_does() -> None:
+    """The sampler's graphs are guarded on their inputs' dispatch keys and on inputs aliasing:
+    the warm-up must hand them inference tensors (also through a copying device) and two
+    distinct logits to the logprob graph, or serving compiles them again."""
+    for backend in (create_backend("cpu"), CopyingBackend()):
+        dev, sampler = recording_device(backend)
+        dev.warmup(lambda label: None)
+        assert sampler.inference and all(sampler.inference), type(backend).__name__
+        assert sampler.aliased and not any(sampler.aliased)
+
+
+def test_logprobs_get_two_tensors_on_a_step_without_a_ban_or_penalty() -> None:
+    dev, sampler = recording_device(create_backend("cpu"))
+    n = 2
+    with torch.inference_mode():
+        logits = torch.zeros(n, V + 64)
+    params = {"temperature": [0.0] * n, "top_p": [1.0] * n, "top_k": [0] * n}
+    params |= {"seed": [0] * n, "offset": [0] * n}
+    compact = np.empty((n, TOK.words_per_row), dtype=np.int32)
+    extras = dev._warmup_extras(n)
+    extras.any_penalty = False
+    batch = SampleBatch(compact, np.full(n, n), np.zeros(n, dtype=bool), params, extras)
+    out = dev.sample(dev._hold(logits), batch)
+    assert len(out.logprobs) == n
+    assert sampler.aliased == [False] and all(sampler.inference)
