@@ -19,8 +19,8 @@ EOS = TOK.eos_token_ids[0]
 OTHER = 300  # the runner-up of every row
 
 
-def device(backend: Backend) -> StepDevice:
-    sampler = Sampler(
+def device(backend: Backend, sampler_type: type[Sampler] = Sampler) -> StepDevice:
+    sampler = sampler_type(
         vocab_size=V,
         logits_size=V + 64,
         max_rows=4,
@@ -85,18 +85,10 @@ class RecordingSampler(Sampler):
 
 
 def recording_device(backend: Backend) -> tuple[StepDevice, RecordingSampler]:
-    dev = device(backend)
-    sampler = RecordingSampler(
-        vocab_size=V,
-        logits_size=V + 64,
-        max_rows=4,
-        device="cpu",
-        structured_outputs=True,
-        compile=False,
-    )
-    dev.sampler = sampler
+    dev = device(backend, RecordingSampler)
+    assert isinstance(dev.sampler, RecordingSampler)
     dev.setup()
-    return dev, sampler
+    return dev, dev.sampler
 
 
 def test_warm_up_feeds_the_sampler_what_serving_does() -> None:
