@@ -1,7 +1,7 @@
 """The worker's own CPU kernels, compiled from C++ at first use and cached on disk.
 
-* `int4_matmul.cpp` (AVX512-BF16): 4-bit weights times bf16 activations for decode passes of up
-  to 8 rows in one read of the weights.
+* `matmul_bf16.cpp` (AVX512-BF16): 4- and 8-bit weights (llama.cpp's Q4_1 and Q8_0 blocks) times
+  bf16 activations for decode passes of up to 8 rows in one read of the weights.
 * `decode_attention.cpp` (AVX512-BF16): attention for passes of one token per row, reading each
   row's KV cache slot in place.
 * `matmul_f32.cpp` (AVX2 + FMA): 4- and 8-bit weights (llama.cpp's Q4_1 and Q8_0 blocks) times
@@ -51,7 +51,7 @@ class KernelSet:
     cpu_flags: tuple[str, ...]
     sources: tuple[Path, ...]
     isa_flags: tuple[str, ...]
-    bf16: bool  # the bf16 kernels (int4_matmul, decode_attention) are in it
+    bf16: bool  # the bf16 kernels (int4_matmul, int8_matmul, decode_attention) are in it
 
 
 F32_SOURCES = (_HERE / "matmul_f32.cpp", _HERE / "decode_attention_f32.cpp")
@@ -59,7 +59,7 @@ KERNEL_SETS = (
     KernelSet(
         "avx512-bf16",
         ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
-        (_HERE / "int4_matmul.cpp", _HERE / "decode_attention.cpp", *F32_SOURCES),
+        (_HERE / "matmul_bf16.cpp", _HERE / "decode_attention.cpp", *F32_SOURCES),
         ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
         bf16=True,
     ),
@@ -95,7 +95,8 @@ def available() -> bool:
 
 
 def bf16_available() -> bool:
-    """Whether the bf16 kernels (`int4_matmul`, `decode_attention`) are loaded (AVX512-BF16)."""
+    """Whether the bf16 kernels (`int4_matmul`, `int8_matmul`, `decode_attention`) are loaded
+    (AVX512-BF16)."""
     loaded = _load()
     return loaded is not None and loaded.bf16
 
@@ -227,9 +228,11 @@ def _register_fake(kernel_set: KernelSet) -> None:
     if kernel_set.bf16:
         attentions.append("decode_attention")
 
-        @torch.library.register_fake("maskwire_kernels::int4_matmul")
-        def _matmul_shape(x: Tensor, w: Tensor, scale_zero: Tensor) -> Tensor:
-            return x.new_empty(x.shape[0], w.shape[0] * BLOCK)
+        for op in ("int4_matmul", "int8_matmul"):
+
+            @torch.library.register_fake(f"maskwire_kernels::{op}")
+            def _matmul_shape(x: Tensor, w: Tensor, params: Tensor) -> Tensor:
+                return x.new_empty(x.shape[0], w.shape[0] * BLOCK)
 
     for op in attentions:
 
@@ -245,7 +248,7 @@ def fits(out_features: int, in_features: int) -> bool:
 
 def pack_int4(q: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Tensor]:
     """A Q4_1 weight (q uint8 [N, K] in 0..15; scale, low [N, K/32]; w = scale * q + low) in the
-    kernel's layout (`int4_matmul.cpp`): packed nibbles [N/16, K/32, 8, 32] and fp32 scales and
+    kernel's layout (`matmul_bf16.cpp`): packed nibbles [N/16, K/32, 8, 32] and fp32 scales and
     zeros [N/16, K/32, 2, 16] for w = scale * (q - 8) + zero."""
     n, k = q.shape
     if not fits(n, k):
@@ -257,6 +260,20 @@ def pack_int4(q: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Tensor]:
     per_group = torch.stack([scale.float(), zero])  # [2, N, K/32]
     scale_zero = per_group.reshape(2, n // BLOCK, BLOCK, k // GROUP).permute(1, 3, 0, 2)
     return packed.contiguous(), scale_zero.contiguous()
+
+
+def pack_int8(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """A Q8_0 weight (q int8 [N, K]; scale [N, K/32]; w = scale * q) in `matmul_bf16.cpp`'s
+    layout: int8 [N/16, K/32, 16, 32] (chunk j: 16 channels x inputs 2j, 2j + 1) and fp32 scales
+    [N/16, K/32, 16]."""
+    n, k = q.shape
+    if not fits(n, k):
+        raise ValueError(f"a [{n}, {k}] weight does not fit blocks of {BLOCK} x {GROUP}")
+    # [block, channel, group, chunk, input] -> [block, group, chunk, channel, input]
+    chunks = q.reshape(n // BLOCK, BLOCK, k // GROUP, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+    packed = chunks.reshape(n // BLOCK, k // GROUP, GROUP // 2, 2 * BLOCK)
+    scales = scale.float().reshape(n // BLOCK, BLOCK, k // GROUP).permute(0, 2, 1)
+    return packed.contiguous(), scales.contiguous()
 
 
 def pack_int4_f32(q: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Tensor]:
@@ -288,6 +305,11 @@ def pack_int8_f32(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
 def int4_matmul(x: Tensor, packed: Tensor, scale_zero: Tensor) -> Tensor:
     """`x @ W^T` for bf16 x [rows, K] and a `pack_int4` weight; bf16 [rows, N]."""
     return torch.ops.maskwire_kernels.int4_matmul(x, packed, scale_zero)
+
+
+def int8_matmul(x: Tensor, packed: Tensor, scale: Tensor) -> Tensor:
+    """`x @ W^T` for bf16 x [rows, K] and a `pack_int8` weight; bf16 [rows, N]."""
+    return torch.ops.maskwire_kernels.int8_matmul(x, packed, scale)
 
 
 def int4_matmul_f32(x: Tensor, packed: Tensor, scale_low: Tensor) -> Tensor:

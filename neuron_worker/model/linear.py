@@ -22,10 +22,10 @@ min`, q in 0..15): exactly llama.cpp's Q4_1. Weights that come from a Q4_1 GGUF 
 SmolLM2's linear layers) are taken as stored, so the 4-bit model is the checkpoint itself; other
 weights are quantized per group from their min and max. int8 is llama.cpp's Q8_0 (a scale per
 group of 32; a Q8_0 tensor, as the embedded model's embedding and tied LM head, taken as stored)
-under the worker's fp32 kernel, and one scale per output channel under aten's.
-int4 layers run the worker's own kernels where the CPU has them (`neuron_worker.kernels`: one
-read of the weights for up to 8 rows): bf16 activations with exact products on AVX512-BF16, fp32
-activations on AVX2 (where bf16 is emulated and the worker runs fp32: the 4-bit weights are then
+under the worker's kernels, and one scale per output channel under aten's.
+int4 and int8 layers run the worker's own kernels where the CPU has them (`neuron_worker.kernels`:
+one read of the weights for up to 8 rows): bf16 activations with exact products on AVX512-BF16,
+fp32 activations on AVX2 (where bf16 is emulated and the worker runs fp32: the 4-bit weights are then
 the checkpoint's exactly and the arithmetic fp32, only the order of the sums differs from the dense
 path). Elsewhere aten's, which dequantizes per block of 4 rows.
 """
@@ -78,12 +78,12 @@ def _aten_int4_mm_shape(x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
 
 def kernel_for(weight: Tensor, quantize: str) -> str:
     """Which kernel a layer with this (dense) weight runs for its `quantize` form: `own-bf16`
-    (int4, bf16 activations, AVX512-BF16) or `own-f32` (int4 or int8 per group, fp32
+    (int4 or int8 per group, bf16 activations, AVX512-BF16) or `own-f32` (the same, fp32
     activations, AVX2): `neuron_worker.kernels`' one read of the weights for up to 8 rows; else
     `aten` (int4 dequantized per block of 4 rows, its fp32 path scalar; int8 per channel), also
     for a shape that does not fit the kernels' blocks."""
     if weight.device.type == "cpu" and kernels.fits(*weight.shape):
-        if quantize == "int4" and weight.dtype == torch.bfloat16 and kernels.bf16_available():
+        if weight.dtype == torch.bfloat16 and kernels.bf16_available():
             return "own-bf16"
         if weight.dtype == torch.float32 and kernels.available():
             return "own-f32"
@@ -190,8 +190,10 @@ def _quantized_form(
         if kernel == "own-f32":
             return kernels.pack_int4_f32(int4.q, int4.scale, int4.low)
         return _aten_int4(int4, weight.dtype)
-    if kernel == "own-f32":
+    if kernel.startswith("own"):
         int8 = exact if isinstance(exact, Int8Weight) else Int8Weight.from_float(weight)
+        if kernel == "own-bf16":
+            return kernels.pack_int8(int8.q, int8.scale)
         return kernels.pack_int8_f32(int8.q, int8.scale)
     # aten: one scale per output channel
     w = weight.detach().float()
@@ -261,8 +263,10 @@ class ServingLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _quantized(self, x: Tensor) -> Tensor:
-        if self.kernel == "own-bf16":
+        if self.kernel == "own-bf16" and self.quantize == "int4":
             return kernels.int4_matmul(x, self.q_weight, self.q_scales)
+        if self.kernel == "own-bf16":
+            return kernels.int8_matmul(x, self.q_weight, self.q_scales)
         if self.kernel == "own-f32" and self.quantize == "int4":
             return kernels.int4_matmul_f32(x, self.q_weight, self.q_scales)
         if self.kernel == "own-f32":

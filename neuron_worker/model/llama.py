@@ -297,7 +297,7 @@ class Transformer(nn.Module):
         (`neuron_worker.model.linear`): oneDNN-prepacked weights on CPU, and with
         `quantize` a weight-only form that `step_logits` uses (the layers; the head too where
         `sources` holds its quants and one of the worker's kernels runs them: the embedded
-        model's Q8_0 tied embedding under fp32); and passes of one token per row attend through
+        model's Q8_0 tied embedding); and passes of one token per row attend through
         `neuron_worker.kernels.decode_attention` where it runs the cache's dtype.
         `sources`: canonical per-tensor quantized weights to use as they are (a GGUF's own Q4_1
         and Q8_0 tensors) where their scheme is `quantize`'s, else each is quantized from its

@@ -1,5 +1,5 @@
-"""The worker's own CPU kernels (`neuron_worker.kernels`): the int4 matmuls' arithmetic and weight
-layouts (bf16 and fp32 activations), decode attention against SDPA, the build cache, and the
+"""The worker's own CPU kernels (`neuron_worker.kernels`): the int4 and int8 matmuls' arithmetic
+and weight layouts (bf16 and fp32 activations), decode attention against SDPA, the build cache, and the
 fallback where they cannot run."""
 
 from __future__ import annotations
@@ -54,6 +54,70 @@ def test_the_kernel_multiplies_bf16_activations_by_q4_1_weights(rows: int, n: in
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     # exact products, fp32 sums: only the final rounding to bf16 (8 bits) is visible
     torch.testing.assert_close(got.double(), exact(x, w), rtol=2**-8, atol=2e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (960, 576), (64, 1536)])
+def test_the_kernel_multiplies_bf16_activations_by_q8_0_weights(rows: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = Int8Weight.from_float(torch.randn(n, k, generator=g) * 0.2)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    got = kernels.int8_matmul(x, *kernels.pack_int8(w.q, w.scale))
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # the stored quants exactly (each widened to bf16 without rounding), exact products, fp32
+    # sums: only the final rounding to bf16 is visible
+    want = x.double() @ w.dequantize().double().t()
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=2e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_a_bf16_kernel_rows_result_does_not_depend_on_the_rows_beside_it(scheme: str) -> None:
+    x = torch.randn(19, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
+    w = torch.randn(64, 576, generator=torch.Generator().manual_seed(6))
+    if scheme == "int4":
+        q4 = Int4Weight.from_float(w)
+        packed = kernels.pack_int4(q4.q, q4.scale, q4.low)
+        run = kernels.int4_matmul
+    else:
+        q8 = Int8Weight.from_float(w)
+        packed = kernels.pack_int8(q8.q, q8.scale)
+        run = kernels.int8_matmul
+    whole = run(x, *packed)
+    for rows in range(1, 19):
+        assert torch.equal(run(x[:rows], *packed), whole[:rows]), rows
+        assert torch.equal(run(x[rows:], *packed), whole[rows:]), rows
+
+
+@needs_kernel
+def test_the_bf16_q8_0_kernel_refuses_mismatched_inputs() -> None:
+    w = Int8Weight.from_float(torch.randn(32, 64))
+    packed = kernels.pack_int8(w.q, w.scale)
+    assert kernels.int8_matmul(torch.zeros(0, 64, dtype=torch.bfloat16), *packed).shape == (0, 32)
+    with pytest.raises(RuntimeError, match="x has 96 inputs, the weight 64"):
+        kernels.int8_matmul(torch.zeros(2, 96, dtype=torch.bfloat16), *packed)
+    with pytest.raises(RuntimeError, match="x: bf16"):
+        kernels.int8_matmul(torch.zeros(2, 64), *packed)
+    with pytest.raises(RuntimeError, match="w: contiguous int8"):  # the int4 layout is refused
+        kernels.int8_matmul(
+            torch.zeros(2, 64, dtype=torch.bfloat16), *kernels.pack_int4(*_q4(32, 64))
+        )
+    with pytest.raises(ValueError, match="does not fit blocks of 16 x 32"):
+        kernels.pack_int8(w.q[:24], w.scale[:24])
+
+
+@needs_kernel
+def test_bf16_int8_layers_take_q8_0_groups_as_stored_through_the_kernel() -> None:
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    q = torch.randint(-100, 101, (32, 64), dtype=torch.int8, generator=g)
+    stored = Int8Weight(q, torch.rand(32, 2, generator=g) * 0.01)
+    layer = ServingLinear(stored.dequantize().bfloat16(), None, quantize="int8", exact=stored)
+    assert layer.kernel == "own-bf16"
+    # the checkpoint's quants, not a requantization of the bf16 weight
+    want = x.double() @ stored.dequantize().double().t()
+    torch.testing.assert_close(layer.quantized(x).double(), want, rtol=2**-8, atol=1e-4)
 
 
 @needs_f32_kernel

@@ -75,7 +75,9 @@ def test_generated_tokens_take_the_quantized_weight_and_prompts_the_dense_one(sc
     layer = ServingLinear(w, None, quantize=scheme)
     if scheme == "int4":
         quantized = Int4Weight.from_float(w).dequantize().bfloat16()
-    else:
+    elif layer.kernel == "own-bf16":  # Q8_0: a scale per group of 32
+        quantized = Int8Weight.from_float(w).dequantize().bfloat16()
+    else:  # aten's: a scale per output channel
         scales = w.float().abs().amax(1, keepdim=True) / 127
         quantized = ((w.float() / scales).round().clamp(-128, 127) * scales).bfloat16()
     # the role decides, whatever the pass's shape: one token per row, many rows, several tokens
@@ -183,6 +185,47 @@ def test_fp32_decode_through_the_quantized_kernels_is_the_dense_models_greedy_ou
                 runs.append((tokens, torch.cat(logits[1:])))
             assert runs[0][0] == runs[1][0], prompt
             assert float((runs[0][1] - runs[1][1]).abs().max()) < 1e-3
+
+
+@pytest.mark.skipif(not kernels.bf16_available(), reason="no AVX512-BF16 or no C++ compiler here")
+def test_bf16_decode_takes_the_checkpoints_q8_0_head_through_the_kernel() -> None:
+    """The bf16 default: generated tokens' logits come from the tied head's Q8_0 quants as stored
+    (half the bytes of the bf16 head a decode pass reads), exact but for the final bf16 rounding,
+    where the dense bf16 head rounds every weight first; greedy output on the known prompts is
+    the dense head's."""
+    fast = load_model("default", serving=True, quantize="int4", dtype=torch.bfloat16)
+    assert (fast.output.kernel, fast.output.quantize) == ("own-bf16", "int8")
+    path = resolve_spec("default")
+    head = gguf_quantized_weights(path, load_gguf(path, "default")[0])["tok_embeddings.weight"]
+    assert isinstance(head, Int8Weight)
+    hidden = torch.randn(3, 576, generator=torch.Generator().manual_seed(2)).bfloat16()
+    exact = hidden.double() @ head.dequantize().double().t()
+    got = project(fast.output, hidden, quantized=True).double()
+    dense = project(fast.output, hidden, quantized=False).double()
+    torch.testing.assert_close(got, exact, rtol=2**-8, atol=1e-3)
+    # both end in a bf16 rounding of the logits; the dense head's rounded weights add to it
+    assert float((dense - exact).abs().mean()) > 1.5 * float((got - exact).abs().mean())
+    plain = load_model("default", serving=True, quantize="int4", dtype=torch.bfloat16)
+    plain.output = ServingLinear(plain.output.weight, None)  # the dense bf16 head
+    tok = load_tokenizer("default")
+    slot, kv = torch.tensor([0]), torch.arange(160)
+    for m in (fast, plain):
+        m.setup_caches(1, 160)
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = tok.encode(prompt)
+            runs = []
+            for m in (fast, plain):
+                n, out = len(ids), []
+                logits = m.prefill_logits(
+                    torch.tensor([ids]), torch.arange(n)[None], slot, kv, torch.tensor([n - 1])
+                )
+                for pos in range(n, n + 40):
+                    out.append(int(logits.argmax(-1)))
+                    step = (torch.tensor([[out[-1]]]), torch.tensor([[pos]]), slot, kv)
+                    logits = m.step_logits(*step, torch.tensor([0]))
+                runs.append(out)
+            assert runs[0] == runs[1], prompt
 
 
 def test_a_serving_model_decodes_like_the_reference_model() -> None:
