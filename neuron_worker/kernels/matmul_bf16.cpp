@@ -40,56 +40,109 @@ namespace {
 
 constexpr int64_t kBlock = 16;  // output channels per register
 constexpr int64_t kGroup = 32;  // inputs per scale
-constexpr int64_t kChunks = kGroup / 4;
 constexpr int64_t kMaxRows = 8;  // rows per pass over the weights (accumulators in registers)
 
-// Lane q (0..15) holds bf16(q - 8): the lookup table for a nibble.
-inline __m512i nibble_table() {
-  alignas(64) uint16_t t[32];
-  for (int q = 0; q < 32; ++q) {
-    const float f = static_cast<float>((q & 15) - 8);
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    t[q] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
-  }
-  return _mm512_load_si512(t);
+// The two bf16 inputs (at, at + 1) of row m as one 32-bit lane pattern, broadcast.
+inline __m512bh input_pair(const uint16_t* x, int64_t k, int m, int64_t at) {
+  int32_t pair;
+  std::memcpy(&pair, x + m * k + at, 4);
+  return (__m512bh)_mm512_set1_epi32(pair);
 }
 
-// Output channel blocks [nb_begin, nb_end) for M rows of x (bf16 [M, k], group sums xsum).
-template <int M>
+struct Q4_1 {
+  static constexpr int64_t kChunks = kGroup / 4;  // 32 bytes each
+  static constexpr int64_t kParams = 2;           // scale, zero
+  static constexpr const char* kLayout = "uint8 [N/16, K/32, 8, 32]";
+  static constexpr at::ScalarType kType = at::kByte;
+
+  // Lane q (0..15) holds bf16(q - 8): the lookup table for a nibble.
+  static __m512i table() {
+    alignas(64) uint16_t t[32];
+    for (int q = 0; q < 32; ++q) {
+      const float f = static_cast<float>((q & 15) - 8);
+      uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      t[q] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
+    }
+    return _mm512_load_si512(t);
+  }
+
+  // One group's two chains per row: low nibbles into a, high nibbles into b.
+  template <int M>
+  static inline void group_dots(const uint8_t* wg, const uint16_t* x, int64_t k, int64_t at0,
+                                const __m512i& table, __m512 (&a)[M], __m512 (&b)[M]) {
+    const __m512i nibble = _mm512_set1_epi16(0x0f);
+    for (int64_t j = 0; j < kChunks; ++j) {
+      const __m512i wide =
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 32)));
+      const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(wide, nibble), table);
+      const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(wide, 4), table);
+      const int64_t at = at0 + 4 * j;
+      for (int m = 0; m < M; ++m) {
+        a[m] = _mm512_dpbf16_ps(a[m], lo, input_pair(x, k, m, at));
+        b[m] = _mm512_dpbf16_ps(b[m], hi, input_pair(x, k, m, at + 2));
+      }
+    }
+  }
+};
+
+struct Q8_0 {
+  static constexpr int64_t kChunks = kGroup / 2;  // 32 bytes each
+  static constexpr int64_t kParams = 1;           // scale
+  static constexpr const char* kLayout = "int8 [N/16, K/32, 16, 32]";
+  static constexpr at::ScalarType kType = at::kChar;
+
+  static __m512i table() { return _mm512_setzero_si512(); }  // no lookup
+
+  // Chunk j of a group as one bf16 operand (16 channels x inputs 2j, 2j + 1), exact.
+  static inline __m512bh operand(const uint8_t* wg, int64_t j) {
+    const auto* p = reinterpret_cast<const __m128i*>(wg + j * 32);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);  // lanes 0..15 from lo
+  }
+
+  // One group's two chains per row: even chunks into a, odd chunks into b.
+  template <int M>
+  static inline void group_dots(const uint8_t* wg, const uint16_t* x, int64_t k, int64_t at0,
+                                const __m512i&, __m512 (&a)[M], __m512 (&b)[M]) {
+    for (int64_t j = 0; j < kChunks; j += 2) {
+      const __m512bh even = operand(wg, j);
+      const __m512bh odd = operand(wg, j + 1);
+      const int64_t at = at0 + 2 * j;
+      for (int m = 0; m < M; ++m) {
+        a[m] = _mm512_dpbf16_ps(a[m], even, input_pair(x, k, m, at));
+        b[m] = _mm512_dpbf16_ps(b[m], odd, input_pair(x, k, m, at + 2));
+      }
+    }
+  }
+};
+
+// Output channel blocks [nb_begin, nb_end) for M rows of x (bf16 [M, k]; xsum: its group sums,
+// for Q4_1's zeros). A group's sum is two chains per row, added at the group's end: one chain of
+// 16 dependent `vdpbf16ps` would leave a single row waiting on their latency. The same order for
+// every M, so a row's result does not depend on how many rows share the pass.
+template <class F, int M>
 void blocks_for_rows(const uint16_t* x, const float* xsum, int64_t k, const uint8_t* w,
-                     const float* scale_zero, int64_t nb_begin, int64_t nb_end, uint16_t* out,
+                     const float* params, int64_t nb_begin, int64_t nb_end, uint16_t* out,
                      int64_t n) {
   const int64_t groups = k / kGroup;
-  const __m512i table = nibble_table();
-  const __m512i nibble = _mm512_set1_epi16(0x0f);
+  const __m512i table = F::table();
   for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* wg = w + (nb * groups + g) * kChunks * 32;
-      __m512 dot[M], dot_hi[M];
-      for (int m = 0; m < M; ++m) dot[m] = dot_hi[m] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < kChunks; ++j) {
-        const __m512i wide =
-            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 32)));
-        const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(wide, nibble), table);
-        const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(wide, 4), table);
-        const int64_t at = g * kGroup + 4 * j;
-        for (int m = 0; m < M; ++m) {
-          int32_t pair_lo, pair_hi;  // inputs (at, at + 1) and (at + 2, at + 3) of row m
-          std::memcpy(&pair_lo, x + m * k + at, 4);
-          std::memcpy(&pair_hi, x + m * k + at + 2, 4);
-          dot[m] = _mm512_dpbf16_ps(dot[m], lo, (__m512bh)_mm512_set1_epi32(pair_lo));
-          dot_hi[m] = _mm512_dpbf16_ps(dot_hi[m], hi, (__m512bh)_mm512_set1_epi32(pair_hi));
-        }
-      }
-      const float* sz = scale_zero + (nb * groups + g) * 2 * kBlock;
-      const __m512 scale = _mm512_loadu_ps(sz);
-      const __m512 zero = _mm512_loadu_ps(sz + kBlock);
+      __m512 a[M], b[M];
+      for (int m = 0; m < M; ++m) a[m] = b[m] = _mm512_setzero_ps();
+      F::template group_dots<M>(w + (nb * groups + g) * F::kChunks * 32, x, k, g * kGroup, table,
+                                a, b);
+      const float* p = params + (nb * groups + g) * F::kParams * kBlock;
+      const __m512 scale = _mm512_loadu_ps(p);
       for (int m = 0; m < M; ++m) {
-        acc[m] = _mm512_fmadd_ps(_mm512_add_ps(dot[m], dot_hi[m]), scale, acc[m]);
-        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g]), zero, acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_add_ps(a[m], b[m]), scale, acc[m]);
+        if constexpr (F::kParams == 2)
+          acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g]),
+                                   _mm512_loadu_ps(p + kBlock), acc[m]);
       }
     }
     for (int m = 0; m < M; ++m)
@@ -100,127 +153,75 @@ void blocks_for_rows(const uint16_t* x, const float* xsum, int64_t k, const uint
 
 using BlocksFn = void (*)(const uint16_t*, const float*, int64_t, const uint8_t*, const float*,
                           int64_t, int64_t, uint16_t*, int64_t);
-constexpr BlocksFn kForRows[kMaxRows + 1] = {
-    nullptr,            blocks_for_rows<1>, blocks_for_rows<2>, blocks_for_rows<3>,
-    blocks_for_rows<4>, blocks_for_rows<5>, blocks_for_rows<6>, blocks_for_rows<7>,
-    blocks_for_rows<8>};
 
-// x: bf16 [rows, K]; w: uint8 [N/16, K/32, 8, 32]; scale_zero: fp32 [N/16, K/32, 2, 16].
-at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zero) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bf16 [rows, K]");
-  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kByte && w.size(2) == kChunks &&
-                  w.size(3) == 32 && w.is_contiguous(),
-              "w: contiguous uint8 [N/16, K/32, 8, 32]");
-  TORCH_CHECK(scale_zero.scalar_type() == at::kFloat && scale_zero.is_contiguous() &&
-                  scale_zero.sizes() == at::IntArrayRef({w.size(0), w.size(1), 2, kBlock}),
-              "scale_zero: contiguous fp32 [N/16, K/32, 2, 16]");
-  const int64_t rows = x.size(0), k = x.size(1), blocks = w.size(0), groups = w.size(1);
-  TORCH_CHECK(groups * kGroup == k, "x has ", k, " inputs, the weight ", groups * kGroup);
-  const int64_t n = blocks * kBlock;
-  const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({rows, n}, x.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr<c10::BFloat16>());
-  // Group sums of x for the zeros: sum_i w_i x_i = scale * sum (q - 8) x + zero * sum x.
-  // A bf16 value is the top half of its fp32 value: 32 of them are 16 even + 16 odd fp32 lanes.
-  std::vector<float> xsum(rows * groups);
+template <class F>
+constexpr BlocksFn kForRows[kMaxRows + 1] = {
+    nullptr,
+    blocks_for_rows<F, 1>,
+    blocks_for_rows<F, 2>,
+    blocks_for_rows<F, 3>,
+    blocks_for_rows<F, 4>,
+    blocks_for_rows<F, 5>,
+    blocks_for_rows<F, 6>,
+    blocks_for_rows<F, 7>,
+    blocks_for_rows<F, 8>};
+
+// Sum of each group of 32 values of x (count groups). A bf16 value is the top half of its fp32
+// value: 32 of them are 16 even + 16 odd fp32 lanes.
+std::vector<float> group_sums(const uint16_t* x, int64_t count) {
+  std::vector<float> sums(count);
   const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
-  for (int64_t i = 0; i < rows * groups; ++i) {
-    const __m512i v = _mm512_loadu_si512(xp + i * kGroup);
+  for (int64_t i = 0; i < count; ++i) {
+    const __m512i v = _mm512_loadu_si512(x + i * kGroup);
     const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
     const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));
-    xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+    sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
   }
-  const auto* wp = w.const_data_ptr<uint8_t>();
-  const auto* szp = scale_zero.const_data_ptr<float>();
-  auto* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<c10::BFloat16>());
-  for (int64_t row = 0; row < rows; row += kMaxRows) {
-    const BlocksFn fn = kForRows[std::min(kMaxRows, rows - row)];
-    // Grain 4 blocks (64 channels): even the smallest projection runs on every thread.
-    at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-      fn(xp + row * k, xsum.data() + row * groups, k, wp, szp, b0, b1, op + row * n, n);
-    });
-  }
-  return out;
+  return sums;
 }
 
-// Chunk j of a Q8_0 group as one bf16 operand (16 channels x inputs 2j, 2j + 1), exact.
-inline __m512bh q8_operand(const uint8_t* group, int64_t j) {
-  const auto* p = reinterpret_cast<const __m128i*>(group + j * 32);
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
-  return _mm512_cvtne2ps_pbh(hi, lo);  // lanes 0..15 from lo
-}
-
-// Q8_0 output channel blocks [nb_begin, nb_end) for M rows of x (bf16 [M, k]). A group's sum is
-// two chains per row (even and odd chunks, added at the group's end): one chain of 16 dependent
-// `vdpbf16ps` would leave a single row waiting on their latency. The same order for every M, so
-// a row's result does not depend on how many rows share the pass.
-template <int M>
-void q8_blocks_for_rows(const uint16_t* x, int64_t k, const uint8_t* w, const float* scales,
-                        int64_t nb_begin, int64_t nb_end, uint16_t* out, int64_t n) {
-  constexpr int64_t kChunks8 = kGroup / 2;
-  const int64_t groups = k / kGroup;
-  for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* wg = w + (nb * groups + g) * kChunks8 * 32;
-      __m512 even[M], odd[M];
-      for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < kChunks8; j += 2) {
-        const __m512bh a = q8_operand(wg, j);
-        const __m512bh b = q8_operand(wg, j + 1);
-        const int64_t at = g * kGroup + 2 * j;
-        for (int m = 0; m < M; ++m) {
-          int32_t pair_a, pair_b;  // inputs (at, at + 1) and (at + 2, at + 3) of row m
-          std::memcpy(&pair_a, x + m * k + at, 4);
-          std::memcpy(&pair_b, x + m * k + at + 2, 4);
-          even[m] = _mm512_dpbf16_ps(even[m], a, (__m512bh)_mm512_set1_epi32(pair_a));
-          odd[m] = _mm512_dpbf16_ps(odd[m], b, (__m512bh)_mm512_set1_epi32(pair_b));
-        }
-      }
-      const __m512 scale = _mm512_loadu_ps(scales + (nb * groups + g) * kBlock);
-      for (int m = 0; m < M; ++m)
-        acc[m] = _mm512_fmadd_ps(_mm512_add_ps(even[m], odd[m]), scale, acc[m]);
-    }
-    for (int m = 0; m < M; ++m)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n + nb * kBlock),
-                          (__m256i)_mm512_cvtneps_pbh(acc[m]));
-  }
-}
-
-using Q8BlocksFn = void (*)(const uint16_t*, int64_t, const uint8_t*, const float*, int64_t,
-                            int64_t, uint16_t*, int64_t);
-constexpr Q8BlocksFn kQ8ForRows[kMaxRows + 1] = {
-    nullptr,               q8_blocks_for_rows<1>, q8_blocks_for_rows<2>, q8_blocks_for_rows<3>,
-    q8_blocks_for_rows<4>, q8_blocks_for_rows<5>, q8_blocks_for_rows<6>, q8_blocks_for_rows<7>,
-    q8_blocks_for_rows<8>};
-
-// x: bf16 [rows, K]; w: int8 [N/16, K/32, 16, 32]; scale: fp32 [N/16, K/32, 16].
-at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+// x: bf16 [rows, K]; w: F::kLayout; params: fp32 [N/16, K/32, P, 16] (Q4_1: scales, zeros),
+// or [N/16, K/32, 16] (Q8_0: scales).
+template <class F>
+at::Tensor matmul_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& params) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bf16 [rows, K]");
-  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kChar && w.size(2) == kGroup / 2 &&
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == F::kType && w.size(2) == F::kChunks &&
                   w.size(3) == 32 && w.is_contiguous(),
-              "w: contiguous int8 [N/16, K/32, 16, 32]");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
-                  scale.sizes() == at::IntArrayRef({w.size(0), w.size(1), kBlock}),
-              "scale: contiguous fp32 [N/16, K/32, 16]");
+              "w: contiguous ", F::kLayout);
+  const auto want = F::kParams == 2
+                        ? std::vector<int64_t>{w.size(0), w.size(1), 2, kBlock}
+                        : std::vector<int64_t>{w.size(0), w.size(1), kBlock};
+  TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous() &&
+                  params.sizes() == at::IntArrayRef(want),
+              "scales: contiguous fp32 ", at::IntArrayRef(want));
   const int64_t rows = x.size(0), k = x.size(1), blocks = w.size(0), groups = w.size(1);
   TORCH_CHECK(groups * kGroup == k, "x has ", k, " inputs, the weight ", groups * kGroup);
   const int64_t n = blocks * kBlock;
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({rows, n}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr<c10::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint8_t*>(w.const_data_ptr<int8_t>());
-  const auto* sp = scale.const_data_ptr<float>();
+  // Q4_1's zeros: sum_i w_i x_i = scale * sum (q - 8) x + zero * sum x.
+  const std::vector<float> xsum = group_sums(xp, F::kParams == 2 ? rows * groups : 0);
+  const auto* wp = static_cast<const uint8_t*>(w.const_data_ptr());
+  const auto* pp = params.const_data_ptr<float>();
   auto* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<c10::BFloat16>());
   for (int64_t row = 0; row < rows; row += kMaxRows) {
-    const Q8BlocksFn fn = kQ8ForRows[std::min(kMaxRows, rows - row)];
+    const BlocksFn fn = kForRows<F>[std::min(kMaxRows, rows - row)];
+    const float* row_sums = xsum.empty() ? nullptr : xsum.data() + row * groups;
+    // Grain 4 blocks (64 channels): even the smallest projection runs on every thread.
     at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-      fn(xp + row * k, k, wp, sp, b0, b1, op + row * n, n);
+      fn(xp + row * k, row_sums, k, wp, pp, b0, b1, op + row * n, n);
     });
   }
   return out;
+}
+
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zero) {
+  return matmul_bf16<Q4_1>(x, w, scale_zero);
+}
+
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  return matmul_bf16<Q8_0>(x, w, scale);
 }
 
 }  // namespace

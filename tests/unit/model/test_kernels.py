@@ -103,6 +103,9 @@ def test_the_bf16_q8_0_kernel_refuses_mismatched_inputs() -> None:
         kernels.int8_matmul(
             torch.zeros(2, 64, dtype=torch.bfloat16), *kernels.pack_int4(*_q4(32, 64))
         )
+    # the error names the shape the weight needs
+    with pytest.raises(RuntimeError, match=r"scales: contiguous fp32 \[2, 2, 16\]"):
+        kernels.int8_matmul(torch.zeros(2, 64, dtype=torch.bfloat16), packed[0], packed[1][:, :1])
     with pytest.raises(ValueError, match="does not fit blocks of 16 x 32"):
         kernels.pack_int8(w.q[:24], w.scale[:24])
 
