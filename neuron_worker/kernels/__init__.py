@@ -9,7 +9,8 @@
 * `decode_attention_f32.cpp` (AVX2 + FMA): the decode attention for fp32 caches.
 
 Each file's header says how; `decode_attention.h` holds what the two attention files share (input
-checks, the positions each query attends, the split into tasks). The library holds the files the
+checks, the positions each query attends, the split into tasks), `matmul.h` what the two matmul
+files share (passes of up to 8 rows, output channel blocks over the threads). The library holds the files the
 CPU can run (`KERNEL_SETS`: all four on AVX512-BF16, the two fp32 ones on AVX2). They split their
 work over torch's intra-op threads (`at::parallel_for`, which is serial unless the library is
 built with `-fopenmp`; it then shares the OpenMP runtime torch has loaded). They need a C++ compiler (inductor already does); where it

@@ -31,16 +31,16 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "matmul.h"
 
 namespace {
 
 constexpr int64_t kBlock = 16;  // output channels per register
 constexpr int64_t kGroup = 32;  // inputs per scale
-constexpr int64_t kMaxRows = 8;  // rows per pass over the weights (accumulators in registers)
 
 // The two bf16 inputs (at, at + 1) of row m as one 32-bit lane pattern, broadcast.
 inline __m512bh input_pair(const uint16_t* x, int64_t k, int m, int64_t at) {
@@ -151,21 +151,6 @@ void blocks_for_rows(const uint16_t* x, const float* xsum, int64_t k, const uint
   }
 }
 
-using BlocksFn = void (*)(const uint16_t*, const float*, int64_t, const uint8_t*, const float*,
-                          int64_t, int64_t, uint16_t*, int64_t);
-
-template <class F>
-constexpr BlocksFn kForRows[kMaxRows + 1] = {
-    nullptr,
-    blocks_for_rows<F, 1>,
-    blocks_for_rows<F, 2>,
-    blocks_for_rows<F, 3>,
-    blocks_for_rows<F, 4>,
-    blocks_for_rows<F, 5>,
-    blocks_for_rows<F, 6>,
-    blocks_for_rows<F, 7>,
-    blocks_for_rows<F, 8>};
-
 // Sum of each group of 32 values of x (count groups). A bf16 value is the top half of its fp32
 // value: 32 of them are 16 even + 16 odd fp32 lanes.
 std::vector<float> group_sums(const uint16_t* x, int64_t count) {
@@ -205,14 +190,12 @@ at::Tensor matmul_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const auto* wp = static_cast<const uint8_t*>(w.const_data_ptr());
   const auto* pp = params.const_data_ptr<float>();
   auto* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<c10::BFloat16>());
-  for (int64_t row = 0; row < rows; row += kMaxRows) {
-    const BlocksFn fn = kForRows<F>[std::min(kMaxRows, rows - row)];
+  // Grain 4 blocks (64 channels): even the smallest projection runs on every thread.
+  maskwire::over_rows_and_blocks(rows, blocks, 4, [&](auto m, int64_t row, int64_t b0, int64_t b1) {
     const float* row_sums = xsum.empty() ? nullptr : xsum.data() + row * groups;
-    // Grain 4 blocks (64 channels): even the smallest projection runs on every thread.
-    at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-      fn(xp + row * k, row_sums, k, wp, pp, b0, b1, op + row * n, n);
-    });
-  }
+    blocks_for_rows<F, decltype(m)::value>(xp + row * k, row_sums, k, wp, pp, b0, b1, op + row * n,
+                                           n);
+  });
   return out;
 }
 

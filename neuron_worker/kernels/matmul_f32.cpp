@@ -23,16 +23,16 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <vector>
+
+#include "matmul.h"
 
 namespace {
 
 constexpr int64_t kBlock = 8;   // output channels per register
 constexpr int64_t kGroup = 32;  // inputs per scale
 constexpr int64_t kHalf = kGroup / 2;
-constexpr int64_t kMaxRows = 8;  // rows per pass over the weights
 
 inline __m128i chunk_at(const uint8_t* group, int64_t j) {
   return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(group + j * kBlock));
@@ -119,21 +119,6 @@ void blocks_for_rows(const float* x, const float* xsum, int64_t k, const uint8_t
   }
 }
 
-using BlocksFn = void (*)(const float*, const float*, int64_t, const uint8_t*, const float*,
-                          int64_t, int64_t, float*, int64_t);
-
-template <class F>
-constexpr BlocksFn kForRows[kMaxRows + 1] = {
-    nullptr,
-    blocks_for_rows<F, 1>,
-    blocks_for_rows<F, 2>,
-    blocks_for_rows<F, 3>,
-    blocks_for_rows<F, 4>,
-    blocks_for_rows<F, 5>,
-    blocks_for_rows<F, 6>,
-    blocks_for_rows<F, 7>,
-    blocks_for_rows<F, 8>};
-
 // Sum of each group of 32 values of x (rows * groups of them).
 std::vector<float> group_sums(const float* x, int64_t count) {
   std::vector<float> sums(count);
@@ -168,14 +153,12 @@ at::Tensor matmul_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const auto* wp = static_cast<const uint8_t*>(w.const_data_ptr());
   const auto* pp = params.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
-  for (int64_t row = 0; row < rows; row += kMaxRows) {
-    const BlocksFn fn = kForRows<F>[std::min(kMaxRows, rows - row)];
+  // Grain 8 blocks (64 channels): even the smallest projection runs on every thread.
+  maskwire::over_rows_and_blocks(rows, blocks, 8, [&](auto m, int64_t row, int64_t b0, int64_t b1) {
     const float* row_sums = xsum.empty() ? nullptr : xsum.data() + row * groups;
-    // Grain 8 blocks (64 channels): even the smallest projection runs on every thread.
-    at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
-      fn(xp + row * k, row_sums, k, wp, pp, b0, b1, op + row * n, n);
-    });
-  }
+    blocks_for_rows<F, decltype(m)::value>(xp + row * k, row_sums, k, wp, pp, b0, b1, op + row * n,
+                                           n);
+  });
   return out;
 }
 

@@ -72,25 +72,6 @@ def test_the_kernel_multiplies_bf16_activations_by_q8_0_weights(rows: int, n: in
 
 
 @needs_kernel
-@pytest.mark.parametrize("scheme", ["int4", "int8"])
-def test_a_bf16_kernel_rows_result_does_not_depend_on_the_rows_beside_it(scheme: str) -> None:
-    x = torch.randn(19, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
-    w = torch.randn(64, 576, generator=torch.Generator().manual_seed(6))
-    if scheme == "int4":
-        q4 = Int4Weight.from_float(w)
-        packed = kernels.pack_int4(q4.q, q4.scale, q4.low)
-        run = kernels.int4_matmul
-    else:
-        q8 = Int8Weight.from_float(w)
-        packed = kernels.pack_int8(q8.q, q8.scale)
-        run = kernels.int8_matmul
-    whole = run(x, *packed)
-    for rows in range(1, 19):
-        assert torch.equal(run(x[:rows], *packed), whole[:rows]), rows
-        assert torch.equal(run(x[rows:], *packed), whole[rows:]), rows
-
-
-@needs_kernel
 def test_the_bf16_q8_0_kernel_refuses_mismatched_inputs() -> None:
     w = Int8Weight.from_float(torch.randn(32, 64))
     packed = kernels.pack_int8(w.q, w.scale)
@@ -137,22 +118,39 @@ def test_the_fp32_kernel_multiplies_by_q4_1_weights_in_fp32(rows: int, n: int, k
     assert float(err.max()) <= 4 * float(dense_err.max()) + 1e-6
 
 
-@needs_f32_kernel
+# (pack, matmul) per activation dtype and scheme
+KERNELS = {
+    ("fp32", "int4"): (lambda w: kernels.pack_int4_f32(*_split(Int4Weight.from_float(w))),
+                       kernels.int4_matmul_f32),
+    ("fp32", "int8"): (lambda w: kernels.pack_int8_f32(*_split(Int8Weight.from_float(w))),
+                       kernels.int8_matmul_f32),
+    ("bf16", "int4"): (lambda w: kernels.pack_int4(*_split(Int4Weight.from_float(w))),
+                       kernels.int4_matmul),
+    ("bf16", "int8"): (lambda w: kernels.pack_int8(*_split(Int8Weight.from_float(w))),
+                       kernels.int8_matmul),
+}  # fmt: skip
+
+
+def _split(w: Int4Weight | Int8Weight) -> tuple[torch.Tensor, ...]:
+    return (w.q, w.scale, w.low) if isinstance(w, Int4Weight) else (w.q, w.scale)
+
+
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
-def test_an_fp32_kernel_rows_result_does_not_depend_on_the_rows_beside_it(scheme: str) -> None:
+@pytest.mark.parametrize(
+    "activations",
+    [pytest.param("fp32", marks=needs_f32_kernel), pytest.param("bf16", marks=needs_kernel)],
+)
+def test_a_kernel_rows_result_does_not_depend_on_the_rows_beside_it(
+    activations: str, scheme: str
+) -> None:
     """Greedy output must not depend on batching: each row sums in one order for any row count
     (19 groups, a prime: whatever number of groups a row count keeps in flight leaves some
     over)."""
     x = torch.randn(19, 608, generator=torch.Generator().manual_seed(5))
+    x = x.bfloat16() if activations == "bf16" else x
     w = torch.randn(64, 608, generator=torch.Generator().manual_seed(6))
-    if scheme == "int4":
-        q4 = Int4Weight.from_float(w)
-        packed = kernels.pack_int4_f32(q4.q, q4.scale, q4.low)
-        run = kernels.int4_matmul_f32
-    else:
-        q8 = Int8Weight.from_float(w)
-        packed = kernels.pack_int8_f32(q8.q, q8.scale)
-        run = kernels.int8_matmul_f32
+    pack, run = KERNELS[(activations, scheme)]
+    packed = pack(w)
     whole = run(x, *packed)
     for rows in range(1, 19):
         assert torch.equal(run(x[:rows], *packed), whole[:rows]), rows

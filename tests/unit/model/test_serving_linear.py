@@ -15,7 +15,7 @@ from maskwire.tokenizer import load_tokenizer, resolve_spec
 from neuron_worker import kernels
 from neuron_worker.backends import create_backend
 from neuron_worker.graphs import ForwardRunner, Pass
-from neuron_worker.model import build_model, linear
+from neuron_worker.model import Transformer, build_model, linear
 from neuron_worker.model.gguf_loader import gguf_quantized_weights, load_gguf
 from neuron_worker.model.linear import (
     GROUP,
@@ -148,6 +148,27 @@ def test_the_embedded_models_int4_weights_are_its_q4_1_tensors_as_stored() -> No
     assert isinstance(exact["tok_embeddings.weight"], Int8Weight)  # the tied LM head: Q8_0
 
 
+def greedy(model: Transformer, prompt: str, steps: int) -> tuple[list[int], torch.Tensor]:
+    """`steps` greedy tokens after `prompt` (the prompt through `prefill_logits`, each token
+    through `step_logits`, as the worker runs them) and the logits they were chosen from."""
+    ids = load_tokenizer("default").encode(prompt)
+    n = len(ids)
+    slot, kv = torch.tensor([0]), torch.arange(n + steps)
+    model.setup_caches(1, n + steps)
+    tokens: list[int] = []
+    with torch.inference_mode():
+        logits = [
+            model.prefill_logits(
+                torch.tensor([ids]), torch.arange(n)[None], slot, kv, torch.tensor([n - 1])
+            )
+        ]
+        for pos in range(n, n + steps):
+            tokens.append(int(logits[-1].argmax(-1)))
+            step = (torch.tensor([[tokens[-1]]]), torch.tensor([[pos]]), slot, kv)
+            logits.append(model.step_logits(*step, torch.tensor([0])))
+    return tokens, torch.cat(logits[:-1])
+
+
 @pytest.mark.skipif(not kernels.available(), reason="no AVX2 + FMA or no C++ compiler here")
 def test_fp32_decode_through_the_quantized_kernels_is_the_dense_models_greedy_output() -> None:
     """The fp32 default where bf16 is emulated: generated tokens go through the checkpoint's own
@@ -157,34 +178,10 @@ def test_fp32_decode_through_the_quantized_kernels_is_the_dense_models_greedy_ou
     fast = load_model("default", serving=True, quantize="int4")
     assert fast.layers[0].attention.wqkv.kernel == "own-f32"
     assert (fast.output.kernel, fast.output.quantize) == ("own-f32", "int8")
-    tok = load_tokenizer("default")
-    slot, kv = torch.tensor([0]), torch.arange(160)
-    for m in (dense, fast):
-        m.setup_caches(1, 160)
-    with torch.inference_mode():
-        for prompt in PROMPTS:
-            ids, n = tok.encode(prompt), len(tok.encode(prompt))
-            runs = []
-            for m in (dense, fast):
-                tokens, logits = (
-                    [],
-                    [
-                        m.prefill_logits(
-                            torch.tensor([ids]),
-                            torch.arange(n)[None],
-                            slot,
-                            kv,
-                            torch.tensor([n - 1]),
-                        )
-                    ],
-                )
-                for pos in range(n, n + 40):
-                    tokens.append(int(logits[-1].argmax(-1)))
-                    step = (torch.tensor([[tokens[-1]]]), torch.tensor([[pos]]), slot, kv)
-                    logits.append(m.step_logits(*step, torch.tensor([0])))
-                runs.append((tokens, torch.cat(logits[1:])))
-            assert runs[0][0] == runs[1][0], prompt
-            assert float((runs[0][1] - runs[1][1]).abs().max()) < 1e-3
+    for prompt in PROMPTS:
+        (want, want_logits), (got, got_logits) = (greedy(m, prompt, 40) for m in (dense, fast))
+        assert got == want, prompt
+        assert float((got_logits - want_logits).abs().max()) < 1e-3
 
 
 @pytest.mark.skipif(not kernels.bf16_available(), reason="no AVX512-BF16 or no C++ compiler here")
@@ -207,25 +204,8 @@ def test_bf16_decode_takes_the_checkpoints_q8_0_head_through_the_kernel() -> Non
     assert float((dense - exact).abs().mean()) > 1.5 * float((got - exact).abs().mean())
     plain = load_model("default", serving=True, quantize="int4", dtype=torch.bfloat16)
     plain.output = ServingLinear(plain.output.weight, None)  # the dense bf16 head
-    tok = load_tokenizer("default")
-    slot, kv = torch.tensor([0]), torch.arange(160)
-    for m in (fast, plain):
-        m.setup_caches(1, 160)
-    with torch.inference_mode():
-        for prompt in PROMPTS:
-            ids = tok.encode(prompt)
-            runs = []
-            for m in (fast, plain):
-                n, out = len(ids), []
-                logits = m.prefill_logits(
-                    torch.tensor([ids]), torch.arange(n)[None], slot, kv, torch.tensor([n - 1])
-                )
-                for pos in range(n, n + 40):
-                    out.append(int(logits.argmax(-1)))
-                    step = (torch.tensor([[out[-1]]]), torch.tensor([[pos]]), slot, kv)
-                    logits = m.step_logits(*step, torch.tensor([0]))
-                runs.append(out)
-            assert runs[0] == runs[1], prompt
+    for prompt in PROMPTS:
+        assert greedy(fast, prompt, 40)[0] == greedy(plain, prompt, 40)[0], prompt
 
 
 def test_a_serving_model_decodes_like_the_reference_model() -> None:
