@@ -10,12 +10,13 @@
 
 Each file's header says how; `decode_attention.h` holds what the two attention files share (input
 checks, the positions each query attends, the split into tasks), `matmul.h` what the two matmul
-files share (passes of up to 8 rows, output channel blocks over the threads). The library holds the files the
-CPU can run (`KERNEL_SETS`: all four on AVX512-BF16, the two fp32 ones on AVX2). They split their
-work over torch's intra-op threads (`at::parallel_for`, which is serial unless the library is
-built with `-fopenmp`; it then shares the OpenMP runtime torch has loaded). They need a C++ compiler (inductor already does); where it
-or the CPU features are missing, or `MASKWIRE_KERNELS=0` is set, `available()` is False (the
-reason logged once) and the worker uses aten's int4 kernel and SDPA instead.
+files share (passes of up to 8 rows, output channel blocks over the threads). The library holds the
+files the CPU can run (`KERNEL_SETS`: all four on AVX512-BF16, the two fp32 ones on AVX2). They
+split their work over torch's intra-op threads (`at::parallel_for`, which is serial unless the
+library is built with `-fopenmp`; it then shares the OpenMP runtime torch has loaded). They need a
+C++ compiler (inductor already does); where it or the CPU features are missing, or
+`MASKWIRE_KERNELS=0` is set, `available()` is False (the reason logged once) and the worker uses
+aten's int4 kernel and SDPA instead.
 
 The shared object is built into `<compile cache>/kernels/` (`set_kernel_dir`, which the worker
 calls with its `--compile-cache`), named by a hash of the sources (headers included), the torch
