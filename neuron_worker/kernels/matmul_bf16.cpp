@@ -56,7 +56,9 @@ struct Q4_1 {
   static constexpr at::ScalarType kType = at::kByte;
 
   // Lane q (0..15) holds bf16(q - 8): the lookup table for a nibble.
-  static __m512i table() {
+  __m512i table;
+
+  Q4_1() {
     alignas(64) uint16_t t[32];
     for (int q = 0; q < 32; ++q) {
       const float f = static_cast<float>((q & 15) - 8);
@@ -64,13 +66,13 @@ struct Q4_1 {
       std::memcpy(&bits, &f, 4);
       t[q] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
     }
-    return _mm512_load_si512(t);
+    table = _mm512_load_si512(t);
   }
 
   // One group's two chains per row: low nibbles into a, high nibbles into b.
   template <int M>
-  static inline void group_dots(const uint8_t* wg, const uint16_t* x, int64_t k, int64_t at0,
-                                const __m512i& table, __m512 (&a)[M], __m512 (&b)[M]) {
+  inline void group_dots(const uint8_t* wg, const uint16_t* x, int64_t k, int64_t at0,
+                         __m512 (&a)[M], __m512 (&b)[M]) const {
     const __m512i nibble = _mm512_set1_epi16(0x0f);
     for (int64_t j = 0; j < kChunks; ++j) {
       const __m512i wide =
@@ -92,8 +94,6 @@ struct Q8_0 {
   static constexpr const char* kLayout = "int8 [N/16, K/32, 16, 32]";
   static constexpr at::ScalarType kType = at::kChar;
 
-  static __m512i table() { return _mm512_setzero_si512(); }  // no lookup
-
   // Chunk j of a group as one bf16 operand (16 channels x inputs 2j, 2j + 1), exact.
   static inline __m512bh operand(const uint8_t* wg, int64_t j) {
     const auto* p = reinterpret_cast<const __m128i*>(wg + j * 32);
@@ -104,8 +104,8 @@ struct Q8_0 {
 
   // One group's two chains per row: even chunks into a, odd chunks into b.
   template <int M>
-  static inline void group_dots(const uint8_t* wg, const uint16_t* x, int64_t k, int64_t at0,
-                                const __m512i&, __m512 (&a)[M], __m512 (&b)[M]) {
+  inline void group_dots(const uint8_t* wg, const uint16_t* x, int64_t k, int64_t at0,
+                         __m512 (&a)[M], __m512 (&b)[M]) const {
     for (int64_t j = 0; j < kChunks; j += 2) {
       const __m512bh even = operand(wg, j);
       const __m512bh odd = operand(wg, j + 1);
@@ -127,15 +127,15 @@ void blocks_for_rows(const uint16_t* x, const float* xsum, int64_t k, const uint
                      const float* params, int64_t nb_begin, int64_t nb_end, uint16_t* out,
                      int64_t n) {
   const int64_t groups = k / kGroup;
-  const __m512i table = F::table();
+  const F format;  // its constants (Q4_1's nibble table), built once per task
   for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       __m512 a[M], b[M];
       for (int m = 0; m < M; ++m) a[m] = b[m] = _mm512_setzero_ps();
-      F::template group_dots<M>(w + (nb * groups + g) * F::kChunks * 32, x, k, g * kGroup, table,
-                                a, b);
+      format.template group_dots<M>(w + (nb * groups + g) * F::kChunks * 32, x, k, g * kGroup, a,
+                                    b);
       const float* p = params + (nb * groups + g) * F::kParams * kBlock;
       const __m512 scale = _mm512_loadu_ps(p);
       for (int m = 0; m < M; ++m) {

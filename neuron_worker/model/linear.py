@@ -25,9 +25,9 @@ group of 32; a Q8_0 tensor, as the embedded model's embedding and tied LM head, 
 under the worker's kernels, and one scale per output channel under aten's.
 int4 and int8 layers run the worker's own kernels where the CPU has them (`neuron_worker.kernels`:
 one read of the weights for up to 8 rows): bf16 activations with exact products on AVX512-BF16,
-fp32 activations on AVX2 (where bf16 is emulated and the worker runs fp32: the 4-bit weights are then
-the checkpoint's exactly and the arithmetic fp32, only the order of the sums differs from the dense
-path). Elsewhere aten's, which dequantizes per block of 4 rows.
+fp32 activations on AVX2 (where bf16 is emulated and the worker runs fp32: the 4-bit weights are
+then the checkpoint's exactly and the arithmetic fp32, only the order of the sums differs from the
+dense path). Elsewhere aten's, which dequantizes per block of 4 rows.
 """
 
 from __future__ import annotations
