@@ -54,6 +54,42 @@ OFFLOAD_REPLAY_TOKENS = 64
 _CHUNK = 32
 
 
+def _forced_tail(
+    g: RequestGrammar, drafts: list[int], room: int, tok: Tokenizer, jump_forward: bool
+) -> tuple[list[int], int, int] | None:
+    """`drafts` (all valid) extended by what the grammar forces once they are consumed (the
+    next key after drafts that close a JSON string), as a step without speculation would
+    produce it: the last draft re-tokenized with the forced bytes after it as the model
+    writes them (`"` then `, "city": "` is `",`), the tokens jump-forward forces after that
+    (` "` `city` `":`), then drafts of the bytes forced beyond them (` "`). Returns the drafts
+    and where the forced tokens start among them and how many there are; None when nothing is
+    forced there or more than `room` drafts would be added. The state is unchanged."""
+    if not g.consume(drafts):
+        return None  # not reached: the drafts were just validated
+    try:
+        forced = g.ff_bytes()
+    finally:
+        g.rollback(len(drafts))
+    if not forced:
+        return None
+    head = drafts[:-1]
+    last = tok.ll.tokenize_bytes(tok.token_bytes(drafts[-1]) + forced[:_MAX_TOKEN_BYTES])[0]
+    # Checked before it is consumed: a token the grammar refuses would leave it in error.
+    if g.validate_drafts([*head, last]) < len(drafts) or not g.consume([*head, last]):
+        return None
+    consumed = len(drafts)
+    try:
+        jump = g.ff_tokens() if jump_forward else []
+        if len(jump) > room or (jump and not g.consume(jump)):
+            return None
+        consumed += len(jump)
+        rest = g.ff_bytes()[: room * _MAX_TOKEN_BYTES]
+        beyond = tok.ll.tokenize_bytes(rest)[: room - len(jump)] if rest else []
+    finally:
+        g.rollback(consumed)
+    return [*head, last, *jump, *beyond], len(drafts), len(jump)
+
+
 class Request:
     """One live request: its grammar, token count, options and output check."""
 
@@ -395,6 +431,7 @@ class Session:
         accepting: dict[int, bool] = {}  # what the output check says, for checked rows
         ahead: dict[int, list[Ahead]] = {}  # checked rows: the output after each accepted draft
         forced_drafts: dict[int, list[int]] = {}  # drafts of the forced bytes (forced_draft_room)
+        forced_jump: dict[int, tuple[int, int]] = {}  # where forced tokens are among them
         accepted = [0] * n
         slots = [-1] * n
         plain: list[tuple[RequestGrammar, int]] = []
@@ -446,6 +483,13 @@ class Session:
                 cut = next((j for j, t in enumerate(d) if not 0 <= t < vocab), len(d))
                 t0 = time.thread_time()
                 a = g.validate_drafts(d[:cut]) if cut else 0
+                if a == len(d) and i in forced_room and i not in forced_drafts:
+                    extended = _forced_tail(g, d, forced_room[i], tok, req.jump_forward)
+                    if extended is not None:
+                        d, at, count = extended
+                        a = g.validate_drafts(d)
+                        forced_drafts[i] = drafts_of[i] = d
+                        forced_jump[i] = (at, count)
                 if a and req.monitor is not None:  # and the output check, draft by draft
                     ahead[i] = req.monitor.ahead(d[:a])
                     a = len(ahead[i])
@@ -517,6 +561,10 @@ class Session:
                     r.ff_tokens.extend(ff[i])
                 if i in forced_drafts:
                     r.forced_drafts.extend(forced_drafts[i][: accepted[i]])
+                if i in forced_jump:
+                    at, count = forced_jump[i]
+                    r.forced_jump_start = at
+                    r.forced_jump_count = max(0, min(count, accepted[i] - at))
                 continue
             st = status[i]
             rid = rids[i]

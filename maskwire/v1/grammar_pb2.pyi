@@ -164,7 +164,7 @@ class StepResult(_message.Message):
     def __init__(self, step: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowResult, _Mapping]]] = ..., bitmask: _Optional[bytes] = ..., words_per_row: _Optional[int] = ..., mask_row_encodings: _Optional[_Iterable[_Union[MaskRowEncoding, str]]] = ..., mask_row_word_counts: _Optional[_Iterable[int]] = ..., mask_word_index: _Optional[bytes] = ..., mask_word_values: _Optional[bytes] = ..., mask_row_repeat_of: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class RowResult(_message.Message):
-    __slots__ = ("request_id", "status", "mask_rows", "accepted_drafts", "ff_tokens", "accepting", "finished", "position", "expected_position", "error", "forced_drafts")
+    __slots__ = ("request_id", "status", "mask_rows", "accepted_drafts", "ff_tokens", "accepting", "finished", "position", "expected_position", "error", "forced_drafts", "forced_jump_start", "forced_jump_count")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MASK_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,8 @@ class RowResult(_message.Message):
     EXPECTED_POSITION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FORCED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_JUMP_START_FIELD_NUMBER: _ClassVar[int]
+    FORCED_JUMP_COUNT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     status: RowStatus
     mask_rows: int
@@ -187,7 +189,9 @@ class RowResult(_message.Message):
     expected_position: int
     error: _status_pb2.Status
     forced_drafts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[RowStatus, str]] = ..., mask_rows: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., ff_tokens: _Optional[_Iterable[int]] = ..., accepting: _Optional[bool] = ..., finished: _Optional[bool] = ..., position: _Optional[int] = ..., expected_position: _Optional[int] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., forced_drafts: _Optional[_Iterable[int]] = ...) -> None: ...
+    forced_jump_start: int
+    forced_jump_count: int
+    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[RowStatus, str]] = ..., mask_rows: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., ff_tokens: _Optional[_Iterable[int]] = ..., accepting: _Optional[bool] = ..., finished: _Optional[bool] = ..., position: _Optional[int] = ..., expected_position: _Optional[int] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., forced_drafts: _Optional[_Iterable[int]] = ..., forced_jump_start: _Optional[int] = ..., forced_jump_count: _Optional[int] = ...) -> None: ...
 
 class Close(_message.Message):
     __slots__ = ("request_id",)

@@ -1,6 +1,7 @@
 """Forced drafts: with `StepRow.forced_draft_room`, a row that gets jump-forward tokens also gets
 drafts of the bytes the grammar forces after them but cannot tokenize yet, in place of its own
-drafts; the grammar does not consume them."""
+drafts; a row whose drafts all pass and end where the grammar forces bytes (a closed JSON string)
+gets them extended by those bytes' tokens. The grammar consumes none of them."""
 
 from __future__ import annotations
 
@@ -29,14 +30,14 @@ def tok() -> Tokenizer:
     return load_tokenizer("default")
 
 
-async def opened(tok: Tokenizer) -> Session:
+async def opened(tok: Tokenizer, jump_forward: bool = True) -> Session:
     s = Session(runtime(tok))
     o = await s.open(
         grammar_pb2.Open(
             request_id="r",
             constraint=common_pb2.Constraint(json_schema=json.dumps(RECORD)),
             tokenizer=tok.fingerprint.to_proto(),
-            options=grammar_pb2.RequestOptions(jump_forward=True),
+            options=grammar_pb2.RequestOptions(jump_forward=jump_forward),
         )
     )
     assert not o.HasField("error")
@@ -119,3 +120,66 @@ async def test_forced_drafts_never_exceed_the_room(tok: Tokenizer) -> None:
     assert len(row.forced_drafts) <= 2 and row.mask_rows == 1 + row.accepted_drafts
     forced = spelled(tok, list(row.ff_tokens)) + spelled(tok, list(row.forced_drafts))
     assert json.dumps(long_value).encode().startswith(forced)
+
+
+async def test_drafts_that_close_a_string_get_what_the_grammar_forces_after_it(
+    tok: Tokenizer,
+) -> None:
+    """The worker's drafts ` Gonzalez"` end the value: the service re-tokenizes the closing quote
+    with the forced `, "city": "` as the model writes it (`",`), adds the tokens jump-forward
+    would force after it (` "city":`, marked as such) and a draft of the rest (` "`), all
+    checked and none consumed. A step that gets those tokens one by one, without drafts, ends
+    in the same state with the same forced tokens."""
+    s = await opened(tok)
+    ff = list(step(s, [], 0, [], room=0).rows[0].ff_tokens)
+    head = [tok.encode(' "')[0], *tok.encode("Maria")]
+    own = tok.encode(' Gonzalez"')
+    res = step(s, head, len(ff), own, room=8)
+    row = res.rows[0]
+    assert row.status == OK
+    drafts = list(row.forced_drafts)
+    assert spelled(tok, drafts) == b' Gonzalez", "city": "'
+    assert drafts[: len(own) - 1] == own[:-1] and spelled(tok, [drafts[len(own) - 1]]) == b'",'
+    start, count = row.forced_jump_start, row.forced_jump_count
+    assert start == len(own) and spelled(tok, drafts[start : start + count]) == b' "city":'
+    assert row.accepted_drafts == len(drafts) and row.mask_rows == 1 + len(drafts)
+    assert row.position == len(ff) + len(head)  # the drafts are not consumed
+    masks = step_masks(res)
+    assert all(allowed(masks[j], t) for j, t in enumerate(drafts))  # row j: draft j's position
+
+    # The same tokens without speculation: sampled up to `",`, then jump-forward.
+    plain = await opened(tok)
+    step(plain, [], 0, [], room=0)
+    sampled = [*head, *drafts[:start]]
+    row2 = step(plain, sampled, len(ff), [], room=8).rows[0]
+    assert list(row2.ff_tokens) == drafts[start : start + count]
+    assert list(row2.forced_drafts) == drafts[start + count :]
+    # And the speculating session, told the accepted drafts, is where the plain one is.
+    row3 = step(s, drafts, len(ff) + len(head), [], room=0).rows[0]
+    assert row3.status == OK and row3.position == row2.position + len(row2.forced_drafts)
+
+
+async def test_without_jump_forward_the_forced_bytes_are_all_drafts(tok: Tokenizer) -> None:
+    s = await opened(tok, jump_forward=False)
+    head = [*tok.encode('{"name": "'), *tok.encode("Maria")]
+    own = tok.encode(' Gonzalez"')
+    row = step(s, head, 0, own, room=8).rows[0]
+    assert row.status == OK and row.forced_jump_count == 0
+    assert spelled(tok, list(row.forced_drafts)) == b' Gonzalez", "city": "'
+
+
+async def test_no_tail_after_a_rejected_draft_or_without_room_for_the_forced_tokens(
+    tok: Tokenizer,
+) -> None:
+    s = await opened(tok)
+    ff = list(step(s, [], 0, [], room=0).rows[0].ff_tokens)
+    head = [tok.encode(' "')[0], *tok.encode("Maria")]
+    step(s, head, len(ff), [], room=0)
+    at = len(ff) + len(head)
+    newline = tok.encode("\n")  # not allowed raw inside a JSON string
+    rejected = [*tok.encode(" Gonzalez"), *newline, *tok.encode('"')]
+    row = step(s, [], at, rejected, room=8).rows[0]
+    assert row.accepted_drafts == len(tok.encode(" Gonzalez")) and not row.forced_drafts
+    own = tok.encode(' Gonzalez"')
+    row = step(s, [], at, own, room=2).rows[0]  # ` "city":` is three forced tokens
+    assert row.accepted_drafts == len(own) and not row.forced_drafts
