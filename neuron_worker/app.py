@@ -101,7 +101,7 @@ def ranges_dir(cache: Path | None, args: argparse.Namespace) -> Path | None:
     if cache is None:
         return None
     spec = draft_config(args)
-    width = 1 + (spec.num_draft_tokens if spec else 0)
+    width = spec.verify_width if spec else 1
     # Flat passes' rows go up to it; "auto": the runner's default (`default_flat_tokens`).
     flat = args.flat_pass_tokens if args.flat_pass_tokens >= 0 else "auto"
     ranges = f"rows{args.max_batch_size}-seq{args.max_seq_len}-verify{width}-flat{flat}"
@@ -126,6 +126,7 @@ def draft_config(args: argparse.Namespace) -> DraftConfig | None:
     try:
         return DraftConfig(
             num_draft_tokens=args.num_draft_tokens,
+            forced_drafts=args.forced_draft_tokens,
             match=match,
             min_n=min_n if args.ngram_min is None else args.ngram_min,
             max_n=max_n if args.ngram_max is None else args.ngram_max,

@@ -169,6 +169,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="most draft tokens per request and step with --speculative (adaptive below it)",
     )
     p.add_argument(
+        "--forced-draft-tokens",
+        type=int,
+        default=8,
+        help="most drafts of the grammar's forced bytes per request and step with --speculative "
+        "(the next key after drafts that close a JSON string; default 8)",
+    )
+    p.add_argument(
         "--verify-pass-tokens",
         type=int,
         default=-1,

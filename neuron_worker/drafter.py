@@ -7,7 +7,9 @@ latest earlier occurrence of its longest recent suffix:
   tokenize differently in different places (` Riverside` in a passage is one token, `"Riverside`
   in a JSON value is `R` `ivers` `ide`), so token n-grams miss exactly the copies structured
   outputs make. It also matches a partial word at the start of any earlier word, and tokenizes
-  the continuation it found the way the model writes it.
+  the continuation it found the way the model writes it. Inside a quoted string of the output
+  (a JSON value) it ends the copy where the copied phrase ends and closes the quote, so that the
+  grammar can add what it forces after the string (the next key) to the same drafts.
 * :class:`NgramDrafter` (`--draft-match tokens`) matches token n-grams through an index extended
   incrementally, so a proposal costs O(max_n) dictionary look-ups.
 
@@ -36,6 +38,10 @@ class DraftConfig:
     `--ngram-min/max`)."""
 
     num_draft_tokens: int = 4
+    # Most drafts of the grammar's forced bytes per row and step (after its forced tokens, or
+    # after the drafter's own drafts: the next key after a closed JSON string). A key cut short
+    # saves no pass, so this is room for the longest common one, not a guess.
+    forced_drafts: int = 8
     match: DraftMatch = "text"
     # Shortest / longest suffix matched, in the unit of `match` (tokens or bytes of text).
     min_n: int = DEFAULT_SIZES["text"][0]
@@ -51,9 +57,17 @@ class DraftConfig:
     cooldown: int = 4
     max_cooldown: int = 64
 
+    @property
+    def verify_width(self) -> int:
+        """Logits rows per request in a verification pass: the token sampled after the drafts,
+        the drafter's own drafts and the grammar's forced ones after them."""
+        return 1 + self.num_draft_tokens + self.forced_drafts
+
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
             raise ValueError("num_draft_tokens must be >= 1")
+        if self.forced_drafts < 0:
+            raise ValueError("forced_drafts must be >= 0")
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError("n-gram sizes must satisfy 1 <= min_n <= max_n")
         if self.pass_tokens < 0:
@@ -63,7 +77,7 @@ class DraftConfig:
 class Drafter(Protocol):
     """Proposes drafts from one request's history (prompt + output), fed by `extend`."""
 
-    def extend(self, tokens: Sequence[int]) -> None: ...
+    def extend(self, tokens: Sequence[int], output: bool = True) -> None: ...
     def __len__(self) -> int: ...
     def propose(self, k: int) -> list[int]: ...
 
@@ -90,8 +104,8 @@ class NgramDrafter:
         self._index: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # n-grams ending before this index are in `_index`
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Append tokens to the request's history."""
+    def extend(self, tokens: Sequence[int], output: bool = True) -> None:
+        """Append tokens to the request's history (`output`: generated, not the prompt)."""
         self._tokens.extend(tokens)
 
     def __len__(self) -> int:
@@ -123,15 +137,53 @@ def _in_word(byte: int) -> bool:
     return byte >= 0x80 or 48 <= byte <= 57 or 65 <= byte <= 90 or 97 <= byte <= 122
 
 
+# Bytes that end a copied phrase: a value copied from a passage stops before them.
+_PHRASE_ENDS = frozenset(b".,;:!?()[]{}\"'\n\r\t")
+
+
+def _phrase_end(value: bytes, tail: bytes) -> int:
+    """Where a quoted value that starts as `value` and continues as `tail` most likely ends: the
+    index in `tail` of the first punctuation, or of the space before a lowercase word when
+    every word so far is capitalized (a name: `Maria Gonzalez| is`), unless it is a short word
+    between capitalized ones (`Museum of Modern Glass`); -1 when neither comes."""
+    head = tail.split(b" ", 1)[0]  # the rest of the value's last word
+    capitalized = all(_capitalized(w) for w in (value + head).split())
+    for i, c in enumerate(tail):
+        if c in _PHRASE_ENDS:
+            return i
+        if c == 0x20 and i + 1 < len(tail) and 97 <= tail[i + 1] <= 122:  # a lowercase word
+            joins = _joins_names(tail, i + 1)
+            if capitalized and not joins:
+                return i
+            capitalized = capitalized and joins
+    return -1
+
+
+def _capitalized(word: bytes) -> bool:
+    """Whether the word's first letter or digit is a capital or a digit (`"Maria`, `1990`)."""
+    first = next((c for c in word if _in_word(c)), None)
+    return first is None or not 97 <= first <= 122
+
+
+def _joins_names(tail: bytes, at: int) -> bool:
+    """Whether the lowercase word at `tail[at]` is a short one followed by a capitalized word
+    (`of`, `de`, `and` inside a name)."""
+    space = tail.find(b" ", at)
+    return 0 < space - at <= 3 and space + 1 < len(tail) and 65 <= tail[space + 1] <= 90
+
+
 class TextDrafter:
     """Prompt lookup on text, for one request (module docstring).
 
     The suffix is the longest one of `min_n` to `max_n` bytes that occurred earlier; when no
     suffix longer than the partial word at the end of the text does, the partial word is
-    matched at the start of an earlier word instead (`"Riv` finds ` Riverside`). The
+    matched at the start of an earlier word instead (`"Riv` finds ` Riverside`; `_copy_of`). The
     continuation (`lookahead` bytes after the match) is tokenized together with the partial
     word, and the drafts are the tokens after those that spell the partial word (none when the
     tokenization does not split there), without the last one, which the cut may have split.
+
+    While the output has a quote open (`"` not closed yet, as in a JSON string value), the
+    continuation ends where the copied phrase does (`_phrase_end`) and a closing `"` follows it.
     """
 
     def __init__(
@@ -149,12 +201,26 @@ class TextDrafter:
         self.lookahead = lookahead
         self._text = bytearray()
         self._count = 0
+        self._quote = -1  # where the output's open quoted string starts (-1: none open)
+        self._escaped = False  # the output's last byte is a backslash inside that string
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Append tokens to the request's history."""
+    def extend(self, tokens: Sequence[int], output: bool = True) -> None:
+        """Append tokens to the request's history (`output`: generated, not the prompt)."""
         for t in tokens:
-            self._text += self._token_bytes(t)
+            b = self._token_bytes(t)
+            if output:
+                self._track_quotes(b, len(self._text))
+            self._text += b
         self._count += len(tokens)
+
+    def _track_quotes(self, b: bytes, at: int) -> None:
+        for i, c in enumerate(b):
+            if self._escaped:
+                self._escaped = False
+            elif c == 0x5C and self._quote >= 0:
+                self._escaped = True
+            elif c == 0x22:
+                self._quote = -1 if self._quote >= 0 else at + i + 1
 
     def __len__(self) -> int:
         return self._count
@@ -173,12 +239,17 @@ class TextDrafter:
         if n > len(word) and n >= self.min_n:
             cont = at + n
         elif word:
-            cont = self._word_start(word, end)
+            cont = self._copy_of(word, end)
             if cont < 0:
                 return []
         else:
             return []
         tail = bytes(text[cont : cont + self.lookahead])
+        closed = False
+        if self._quote >= 0:
+            cut = _phrase_end(bytes(text[self._quote : end]), tail)
+            if cut >= 0:
+                tail, closed = tail[:cut] + b'"', True
         try:
             spelled = (word + tail).decode()
         except UnicodeDecodeError:  # a cut inside a character: retry without its bytes
@@ -193,8 +264,8 @@ class TextDrafter:
             i += 1
         if covered != word:
             return []
-        last = len(tokens) if cont + self.lookahead >= end else len(tokens) - 1
-        return tokens[i:last][:k]
+        whole = closed or cont + self.lookahead >= end
+        return tokens[i : len(tokens) if whole else len(tokens) - 1][:k]
 
     def _longest_suffix(self, end: int) -> tuple[int, int]:
         """(length, start of its latest earlier occurrence) of the longest suffix of at most
@@ -212,18 +283,41 @@ class TextDrafter:
                 hi = mid - 1
         return lo, at
 
-    def _word_start(self, word: bytes, end: int) -> int:
-        """Where the text continues after the latest earlier word that starts with `word`
-        (-1: none)."""
+    def _copy_of(self, word: bytes, end: int) -> int:
+        """Where the text continues after an earlier word that starts with the partial `word`
+        (-1: none): the latest one; inside a quoted value, the one whose phrase runs longest (a
+        passage names `Maria Gonzalez` first and `Maria` after), the latest among equals. A
+        word copied at the start of a value may change the case of its first letter (`"Arch`
+        for ` architect`): that is tried when no earlier word starts with `word` as written."""
+        conts = self._word_starts(word, end)
+        if not conts and word[:1].isalpha():
+            conts = self._word_starts(word[:1].swapcase() + word[1:], end)
+        if not conts:
+            return -1
+        if self._quote < 0:
+            return conts[0]
+        value = bytes(self._text[self._quote : end])
+
+        def phrase(cont: int) -> int:
+            cut = _phrase_end(value, bytes(self._text[cont : cont + self.lookahead]))
+            return cut if cut >= 0 else self.lookahead
+
+        return max(conts, key=phrase)
+
+    def _word_starts(self, word: bytes, end: int, most: int = 16) -> list[int]:
+        """Where the text continues after each earlier word that starts with `word`, latest
+        first (the `most` latest)."""
         text = self._text
+        out: list[int] = []
         limit = end - 1
-        while True:
+        while len(out) < most:
             p = text.rfind(word, 0, limit)
             if p < 0:
-                return -1
+                break
             if p == 0 or not _in_word(text[p - 1]):
-                return p + len(word)
+                out.append(p + len(word))
             limit = p + len(word) - 1
+        return out
 
 
 # The weight of a request's previous verification against its latest in its acceptance estimate.
@@ -287,14 +381,15 @@ class DraftBudget:
             self.misses = 0
 
 
-def accepted_prefix(drawn: Sequence[int], drafts: Sequence[int]) -> int:
+def accepted_prefix(drawn: Sequence[int], drafts: Sequence[int], forced: range = range(0)) -> int:
     """How many leading drafts verification keeps: `drawn[j]` is the token the sampler drew
     (masked, from the target's distribution) at draft `j`'s position; a draft is kept while it
-    equals the draw. With greedy rows that is "the masked argmax equals the draft"; with
+    equals the draw, and a draft the grammar forces (its index in `forced`) is kept whatever
+    was drawn, as a jump-forward token would be. With greedy rows that is "the masked argmax equals the draft"; with
     sampling it is exact speculative sampling for a deterministic drafter (a draft `d` survives
     with probability p(d), and the draw that replaces a rejected one follows p restricted to
     tokens other than `d`, the residual distribution). The caller emits `drawn[: a + 1]`."""
     for j, d in enumerate(drafts):
-        if j >= len(drawn) or drawn[j] != d:
+        if j not in forced and (j >= len(drawn) or drawn[j] != d):
             return j
     return len(drafts)

@@ -83,14 +83,31 @@ class _Row:
     tokens: list[int]
     start: int
     outputs: int = 1
-    forced_drafts: bool = False  # the drafts are the grammar's (not the drafter's to learn from)
+    own_drafts: int = 0  # leading drafts that are the drafter's (the rest are the grammar's)
+    # (start, count): drafts[start : start + count] are tokens the grammar forces, kept without
+    # a sampling step (`RowOutcome.forced_jump`).
+    jump: tuple[int, int] = (0, 0)
+
+    def positions(self) -> list[tuple[Request, int, int]]:
+        """(request, mask row, sampling counter) of each logits row the pass returns for it: a
+        forced draft's position takes no counter, as a jump-forward token takes none."""
+        start, count = self.jump
+        return [(self.req, j, j - min(max(j - start, 0), count)) for j in range(self.outputs)]
+
+
+def _own_prefix(drafts: Sequence[int], own: Sequence[int]) -> int:
+    """How many leading `drafts` are the row's `own` ones."""
+    n = 0
+    while n < min(len(drafts), len(own)) and drafts[n] == own[n]:
+        n += 1
+    return n
 
 
 def _sync_history(drafter: Drafter, r: Request) -> None:
     """Feed the drafter the request's tokens it has not seen (prompt, then output)."""
     seen = len(drafter)
     if seen < len(r.prompt):
-        drafter.extend(r.prompt[seen:])
+        drafter.extend(r.prompt[seen:], output=False)
         seen = len(r.prompt)
     drafter.extend(r.output[seen - len(r.prompt) :])
 
@@ -133,6 +150,8 @@ class Engine:
         self.compiles = CompileCounter(self.metrics.compiled_while_serving)
         spec = config.speculative
         self.gate = SpeculationGate() if spec is not None and spec.gate else None
+        # Moving average of the grammar's drafts after a row's own (`_verification_rows`).
+        self.forced_tail = spec.forced_drafts / 2 if spec is not None else 0.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -447,14 +466,15 @@ class Engine:
         step. The gate learns from the step's wall time."""
         drafts = self._worth_verifying(batch, self._plan_drafts(batch))
         started = time.perf_counter()
+        verified = 0
         if drafts or self._forced_drafts_apply(batch):
-            await self._speculate(batch, drafts)
+            verified = await self._speculate(batch, drafts)
         else:
             await self._decode_plain(batch)
         if self.gate is not None:
             # A step without drafts of its own (forced drafts only) is what the gate's "no"
             # costs: it counts as a plain step.
-            n = sum(len(d) for d in drafts.values())
+            n = verified if drafts else 0
             self.gate.record(len(batch), n, time.perf_counter() - started)
 
     def _worth_verifying(
@@ -467,11 +487,17 @@ class Engine:
         rows = []
         for r, d in drafts.items():
             assert r.budget is not None  # made with its drafter
-            rows.append((len(d), r.budget.acceptance()))
+            # Drafts that close a quoted string are likely to get the grammar's forced tokens
+            # after them (the next key), as many as such tails have had so far.
+            tail = self.forced_tail if r.grammar is not None and self._closes_quote(d) else 0.0
+            rows.append((len(d), r.budget.acceptance(), tail))
         if self.gate.worth_it(len(batch), rows):
             return drafts
-        self.metrics.drafts(declined=sum(k for k, _ in rows))
+        self.metrics.drafts(declined=sum(len(d) for d in drafts.values()))
         return {}
+
+    def _closes_quote(self, drafts: list[int]) -> bool:
+        return self.tokenizer.token_bytes(drafts[-1]).endswith(b'"')
 
     def _forced_drafts_apply(self, batch: list[Request]) -> bool:
         """Whether a step should ask the grammar for forced drafts although no row has its own:
@@ -617,19 +643,21 @@ class Engine:
                 self.metrics.drafts(proposed=len(d))
         return drafts
 
-    async def _speculate(self, batch: list[Request], drafts: dict[Request, list[int]]) -> None:
+    async def _speculate(self, batch: list[Request], drafts: dict[Request, list[int]]) -> int:
         """A step with drafts: the grammar checks them first (their rejected tail never reaches
         the device), one forward verifies every kept draft, the sampler draws a token at every
-        position, and each request keeps its drafts up to the first the sampler disagrees with."""
+        position, and each request keeps its drafts up to the first the sampler disagrees with.
+        Returns the number of drafts verified (the drafter's and the grammar's)."""
         started = time.perf_counter()
         outcomes = await self._check_drafts(batch, drafts)
         rows = self._verification_rows(batch, drafts, outcomes)
         if rows:
             logits = await self._forward(rows, "verify")
-            positions = [(row.req, j) for row in rows for j in range(row.outputs)]
+            positions = [p for row in rows for p in row.positions()]
             sampled = await self._sample(positions, logits, outcomes)
             self._commit(rows, sampled)
         self.metrics.step(time.perf_counter() - started, len(batch))
+        return sum(row.outputs - 1 for row in rows)
 
     async def _check_drafts(
         self, batch: list[Request], drafts: dict[Request, list[int]]
@@ -643,7 +671,7 @@ class Engine:
         spec = self.config.speculative
         assert spec is not None
         room = [
-            max(0, min(spec.num_draft_tokens, self._room(r) - 1)) if r.speculate else 0
+            max(0, min(spec.forced_drafts, self._room(r) - 1)) if r.speculate else 0
             for r in constrained
         ]
         task = asyncio.create_task(
@@ -666,7 +694,7 @@ class Engine:
         Forced tokens count against the pass's token budget before drafts do; the grammar's
         forced drafts do not count (it forces those bytes: they are nearly always accepted, and
         at c8 they were worth their width, 1.07x against 0.94x with them in the budget)."""
-        live: list[tuple[Request, list[int], list[int], bool]] = []
+        live: list[tuple[Request, list[int], list[int], int, tuple[int, int]]] = []
         for r in batch:
             pending = r.pending
             r.pending = None
@@ -675,24 +703,36 @@ class Engine:
             if ff is None:
                 continue
             d = drafts.get(r, [])
-            forced = out is not None and bool(out.forced_drafts)
-            if out is not None:
-                d = out.forced_drafts if forced else d[: out.accepted_drafts]
-            if forced:
-                self.metrics.drafts(forced=len(d))
+            own = len(d)
+            jump = (0, 0)
+            if out is not None and out.forced_drafts:
+                # The grammar's drafts: after its forced tokens (none of the row's own), or the
+                # row's own drafts and the bytes forced after them (`_own_prefix` of them).
+                own = 0 if ff else _own_prefix(out.forced_drafts, d)
+                tail = len(out.forced_drafts) - own
+                self.metrics.drafts(forced=tail)
+                if own:
+                    self.forced_tail += 0.2 * (tail - self.forced_tail)
+                d, jump = out.forced_drafts, out.forced_jump
+            elif out is not None:
+                d = d[: out.accepted_drafts]
             d = d[: max(0, self._room(r) - 1)]
-            live.append((r, [pending, *ff], d, forced))  # type: ignore[list-item]
+            live.append((r, [pending, *ff], d, min(own, len(d)), jump))  # type: ignore[list-item]
         spec = self.config.speculative
         left = None
         if spec is not None and spec.pass_tokens:
-            left = spec.pass_tokens - sum(len(prefix) for _, prefix, _, _ in live)
+            left = spec.pass_tokens - sum(len(prefix) for _, prefix, _, _, _ in live)
         rows: list[_Row] = []
-        for r, prefix, d, forced in live:
-            if left is not None and not forced:
-                d = d[: max(0, left)]
-                left -= len(d)
+        for r, prefix, d, own, jump in live:
+            if left is not None and own > max(0, left):
+                own = max(0, left)  # the grammar's drafts after them go with them
+                d = d[:own]
+            if left is not None:
+                left -= own
+            start, count = jump
+            jump = (start, max(0, min(count, len(d) - start)))  # drafts cut by the limits
             self.metrics.drafts(kept=len(d))
-            rows.append(_Row(r, [*prefix, *d], r.cached, outputs=1 + len(d), forced_drafts=forced))
+            rows.append(_Row(r, [*prefix, *d], r.cached, 1 + len(d), own_drafts=own, jump=jump))
             r.cached += len(prefix)
         return rows
 
@@ -706,20 +746,27 @@ class Engine:
             drawn = sampled.tokens[i : i + row.outputs]
             i += row.outputs
             d = row.tokens[len(row.tokens) - row.outputs + 1 :]
-            a = accepted_prefix(drawn, d)
-            if r.budget is not None and not row.forced_drafts:
-                r.budget.record(len(d), a)
+            start, count = row.jump
+            forced = range(start, start + count)
+            a = accepted_prefix(drawn, d, forced)
+            if r.budget is not None and row.own_drafts:
+                r.budget.record(row.own_drafts, min(a, row.own_drafts))
             r.draft_tokens += len(d)
             r.accepted_drafts += a
             accepted_total += a
-            for j, tok in enumerate(drawn[: a + 1]):
+            for j in range(a + 1):
                 if r.finished:
                     break
-                self._accept(r, tok, sampled.logprobs[first + j] if sampled.logprobs else None)
-                emitted += 1
+                if j in forced:
+                    if self._append(r, [d[j]], forced=True):
+                        break
+                else:
+                    lp = sampled.logprobs[first + j] if sampled.logprobs else None
+                    self._accept(r, drawn[j], lp)
+                    emitted += 1
                 if j < a and not r.finished:  # an accepted draft: its K/V is in the cache
                     r.cached += 1
-                    r.verified.append(tok)
+                    r.verified.append(d[j])
                     r.pending = None
         self.metrics.drafts(accepted=accepted_total)
         self.metrics.tokens(emitted, 0)
@@ -765,7 +812,7 @@ class Engine:
         ignored), then act on the tokens."""
         reqs = [row.req if isinstance(row, _Row) else row for row in rows]
         result = await self._sample(
-            [(r, 0) if r is not None else None for r in reqs], logits, outcomes
+            [(r, 0, 0) if r is not None else None for r in reqs], logits, outcomes
         )
         sampled = 0
         for i, (req, tok) in enumerate(zip(reqs, result.tokens, strict=False)):
@@ -777,14 +824,14 @@ class Engine:
 
     async def _sample(
         self,
-        positions: Sequence[tuple[Request, int] | None],
+        positions: Sequence[tuple[Request, int, int] | None],
         logits: Logits,
         outcomes: dict[Request, RowOutcome],
     ) -> Sampled:
         """(Stage 4 of a speculative step.) Mask and sample every logits row: `positions[i]` =
-        (request, j) for the request's j-th sampling position of this step (its j-th mask row;
-        random counter `sampled + j`), None for a row to ignore. Returns one token per logits
-        row, and the logprobs when a row asked for them."""
+        (request, j, c) for the request's j-th position of this step (its j-th mask row; random
+        counter `sampled + c`), None for a row to ignore. Returns one token per logits row, and
+        the logprobs when a row asked for them."""
         n = logits.rows
         # Rows past the m-th stay uninitialised: their `dest` is n, so scatter_mask_rows drops them.
         compact = np.empty((n, self.words), dtype=np.int32)
@@ -805,13 +852,13 @@ class Engine:
                     params[k].append(v)
                 self._no_extras(extras)
                 continue
-            req, j = at
+            req, j, c = at
             s = req.sampling
             params["temperature"].append(s.temperature)
             params["top_p"].append(s.top_p)
             params["top_k"].append(s.top_k)
             params["seed"].append(s.seed)
-            params["offset"].append(req.sampled + j)
+            params["offset"].append(req.sampled + c)
             if j == 0:
                 self._add_extras(extras, req)
             else:  # a draft position: requests with penalties or logprobs never draft

@@ -41,5 +41,5 @@ class EngineConfig:
 
     @property
     def verify_width(self) -> int:
-        """Logits rows per request in a verification pass (1 + draft tokens; 1 = no drafts)."""
-        return 1 + (self.speculative.num_draft_tokens if self.speculative else 0)
+        """Logits rows per request in a verification pass (1 = no drafts)."""
+        return self.speculative.verify_width if self.speculative else 1

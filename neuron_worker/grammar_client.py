@@ -115,6 +115,9 @@ class RowOutcome:
     # Drafts of the bytes the grammar forces after `ff_tokens`, checked in place of the row's
     # own drafts (`GrammarClient.step`'s `forced_draft_room`).
     forced_drafts: list[int] = field(default_factory=list)
+    # (start, count): forced_drafts[start : start + count] are tokens the grammar forces after
+    # the drafts before them, kept without comparing them with a draw.
+    forced_jump: tuple[int, int] = (0, 0)
     error: str = ""
     code: grpc.StatusCode = grpc.StatusCode.OK
     reason: str = ""  # google.rpc.ErrorInfo reason of the error
@@ -696,6 +699,7 @@ class GrammarClient:
                     finished=row.finished,
                     accepted_drafts=row.accepted_drafts,
                     forced_drafts=list(row.forced_drafts),
+                    forced_jump=(row.forced_jump_start, row.forced_jump_count),
                 )
             elif (
                 row.status

@@ -7,7 +7,8 @@ ran at 0.67x with speculation, the verify pass alone costing 1.37x a decode pass
 (docs/benchmarks.md, "CUDA: the second run"). The gate compares, for the step at hand,
 
     expected tokens / cost of a speculative step of this shape   (each drafting row:
-        1 + a + a^2 + ... + a^k for its k drafts, a its acceptance so far; other rows: 1)
+        1 + a + a^2 + ... + a^k for its k drafts, a its acceptance so far, + a^k t for the t
+        tokens the grammar is expected to force after them; other rows: 1)
     rows / cost of a plain step of this batch size
 
 and speculates when the first is at least the second. Costs are moving averages of measured step
@@ -49,19 +50,21 @@ class SpeculationGate:
     speculative: dict[int, float] = field(default_factory=dict)
     decisions: int = 0
 
-    def worth_it(self, rows: int, drafts: Sequence[tuple[int, float]]) -> bool:
+    def worth_it(self, rows: int, drafts: Sequence[tuple[int, float, float]]) -> bool:
         """Whether to verify this step's drafts: `rows` in the batch, and for each row with
-        drafts their number and the row's acceptance estimate."""
-        n = sum(k for k, _ in drafts)
+        drafts their number, the row's acceptance estimate and how many tokens the grammar is
+        expected to force after them (kept whatever the model draws, once all are accepted)."""
+        n = sum(k for k, _, _ in drafts)
         if n == 0:
             return False
-        spec = self.speculative.get(next_pow2(rows + n))
+        tail = sum(t for _, _, t in drafts)
+        spec = self.speculative.get(next_pow2(rows + n + round(tail)))
         plain = self.plain.get(rows)
         if spec is None:
             return True
         if plain is None:
             return False
-        gain = sum(expected_tokens(k, a) - 1 for k, a in drafts)
+        gain = sum(expected_tokens(k, a) - 1 + a**k * t for k, a, t in drafts)
         worth = (rows + gain) * plain >= rows * spec
         self.decisions += 1
         return not worth if self.decisions % self.probe == 0 else worth

@@ -151,6 +151,24 @@ async def test_seeded_sampling_reproduces(worker: ServiceProcess) -> None:
     assert a.ids == b.ids and a.text == b.text
 
 
+async def test_seeded_sampling_is_the_same_with_or_without_speculation(
+    worker: ServiceProcess,
+) -> None:
+    """A position's token is drawn with the same counter-based random number either way, so a
+    seed gives the same record: the tokens the grammar forces after drafts that close a string
+    (kept without a draw) take no counter, as jump-forward tokens take none."""
+    record = common_pb2.Constraint(json_schema=json.dumps(RECORD))
+    kw: dict[str, Any] = {"temperature": 0.7, "seed": 11, "max_tokens": 80}
+    async with channel(worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        for passage in PASSAGES:
+            prompt = extraction(passage)
+            on = await generate(stub, prompt, record, **kw)
+            off = await generate(stub, prompt, record, disable_speculation=True, **kw)
+            assert on.ids == off.ids, (on.text, off.text)
+            assert on.final.usage.accepted_draft_tokens > 0, on.text
+
+
 # Long enough that a quiet machine is still generating when the replica dies: speculation
 # copies the repeated items, so the faults suite's three-item list can finish within a second.
 LONG_SCHEMA: dict[str, Any] = {

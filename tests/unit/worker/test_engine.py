@@ -195,7 +195,7 @@ def make_engine(
     sampler = Sampler(
         vocab_size=V,
         logits_size=V + 64,
-        max_rows=4 * (1 + (speculative.num_draft_tokens if speculative else 0)),
+        max_rows=4 * config.verify_width,
         device="cpu",
         structured_outputs=True,
         compile=False,

@@ -17,14 +17,14 @@ def test_expected_tokens_counts_each_draft_while_all_before_it_are_accepted() ->
 
 def test_unmeasured_shapes_are_tried_first() -> None:
     gate = SpeculationGate()
-    assert gate.worth_it(8, [(4, 0.1)])  # no speculative pass of 12 (-> 16) tokens yet
+    assert gate.worth_it(8, [(4, 0.1, 0)])  # no speculative pass of 12 (-> 16) tokens yet
     gate.record(8, 4, 0.012)
-    assert not gate.worth_it(8, [(4, 0.9)])  # no plain step of 8 rows yet
+    assert not gate.worth_it(8, [(4, 0.9, 0)])  # no plain step of 8 rows yet
     gate.record(8, 0, 0.010)
-    assert gate.worth_it(8, [(3, 0.9)])  # 11 tokens share the 16-token shape: measured
-    assert not gate.worth_it(8, [(4, 0.1)])  # measured, and not worth it
-    assert gate.worth_it(8, [(4, 0.1), (5, 0.1)])  # 17 tokens: the 32-token shape, unmeasured
-    assert not gate.worth_it(4, [(8, 0.9)])  # 12 tokens, measured; no plain step of 4 rows
+    assert gate.worth_it(8, [(3, 0.9, 0)])  # 11 tokens share the 16-token shape: measured
+    assert not gate.worth_it(8, [(4, 0.1, 0)])  # measured, and not worth it
+    assert gate.worth_it(8, [(4, 0.1, 0), (5, 0.1, 0)])  # 17 tokens: the 32-token shape, unmeasured
+    assert not gate.worth_it(4, [(8, 0.9, 0)])  # 12 tokens, measured; no plain step of 4 rows
     assert not gate.worth_it(8, [])
 
 
@@ -33,16 +33,16 @@ def test_speculates_when_the_expected_tokens_pay_for_the_wider_step() -> None:
     gate.record(8, 0, 0.010)
     gate.record(8, 8, 0.0137)  # a verify step 1.37x a plain one (the H200's)
     # Free text: two rows with 4 drafts each at 16% acceptance add 0.38 tokens to 8: no.
-    assert not gate.worth_it(8, [(4, 0.16), (4, 0.16)])
+    assert not gate.worth_it(8, [(4, 0.16, 0), (4, 0.16, 0)])
     # Extraction: two rows at 80% add 4.7 tokens to 8: yes.
-    assert gate.worth_it(8, [(4, 0.8), (4, 0.8)])
+    assert gate.worth_it(8, [(4, 0.8, 0), (4, 0.8, 0)])
 
 
 def test_every_probe_th_decision_takes_the_other_choice() -> None:
     gate = SpeculationGate(probe=4)
     gate.record(1, 0, 0.010)
     gate.record(1, 4, 0.100)
-    decisions = [gate.worth_it(1, [(4, 0.5)]) for _ in range(8)]
+    decisions = [gate.worth_it(1, [(4, 0.5, 0)]) for _ in range(8)]
     assert decisions == [False, False, False, True] * 2
 
 

@@ -128,6 +128,42 @@ def test_text_drafter_proposes_nothing_without_a_repeat_or_a_clean_split() -> No
     assert text_drafter("the Riverside Library. Then Riv").propose(4) == []
 
 
+def quoted(prompt: str, output: str) -> TextDrafter:
+    """A text drafter that saw `prompt` as the prompt and `output` as generated text."""
+    d = TextDrafter(TOK.token_bytes, TOK.encode, min_n=2, max_n=64)
+    d.extend(TOK.encode(prompt), output=False)
+    d.extend(TOK.encode(output))
+    return d
+
+
+PASSAGE = (
+    'Passage: "Maria Gonzalez is an architect from Valencia. Since 1990, Maria has worked at '
+    "the Museum of Modern Glass, where colleagues praise the architect's patience."
+)
+
+
+def test_in_a_quoted_value_the_copy_ends_with_the_phrase_and_closes_the_quote() -> None:
+    """Inside a string the output opened, a copy stops where the copied phrase does and closes
+    the string, so the grammar can add the next key; the quote in the prompt opens nothing."""
+
+    def draft(output: str) -> str:
+        return "".join(spelled(quoted(PASSAGE, output).propose(8)))
+
+    # A name ends before the lowercase word after it, and the passage's first mention (the full
+    # name) is copied rather than its latest (`Maria has`).
+    assert draft('{"name": "Maria') == ' Gonzalez"'
+    # A short lowercase word between capitalized ones belongs to the name; punctuation ends it.
+    assert draft('{"name": "Maria", "place": "Museum') == ' of Modern Glass"'
+    # A value may capitalize the first letter of the word it copies.
+    assert draft('{"name": "Maria", "job": "Arch') == 'itect"'
+    # An escaped quote does not close the string.
+    assert draft('{"name": "\\"Maria') == ' Gonzalez"'
+    # Outside a string the copy runs on from the latest match, as before.
+    assert (
+        draft('{"name": "Maria", "note": 1} Maria') == " has worked at the Museum of Modern Glass"
+    )
+
+
 def test_budget_backs_off_pauses_and_recovers() -> None:
     cfg = DraftConfig(num_draft_tokens=4, patience=2, cooldown=3)
     b = DraftBudget(cfg)
@@ -152,6 +188,10 @@ def test_accepted_prefix() -> None:
     assert accepted_prefix([5, 9, 7], [5, 6]) == 1
     assert accepted_prefix([4], []) == 0
     assert accepted_prefix([1, 2], [3, 2]) == 0
+    # Drafts the grammar forces (indices 1 and 2) are kept whatever was drawn there.
+    assert accepted_prefix([5, 0, 0, 6, 7], [5, 8, 9, 6], range(1, 3)) == 4
+    assert accepted_prefix([5, 0, 0, 1, 7], [5, 8, 9, 6], range(1, 3)) == 3
+    assert accepted_prefix([4, 0, 0, 6, 7], [5, 8, 9, 6], range(1, 3)) == 0
 
 
 def test_speculative_sampling_keeps_the_distribution() -> None:
@@ -356,7 +396,7 @@ async def test_drafts_stay_within_the_pass_token_budget() -> None:
     async def spy(rows: list[Any], kind: str) -> torch.Tensor:
         if kind == "verify":
             drafts = sum(row.outputs - 1 for row in rows)
-            own = sum(row.outputs - 1 for row in rows if not row.forced_drafts)
+            own = sum(row.own_drafts for row in rows)
             passes.append((sum(len(row.tokens) for row in rows) - drafts, own))
         return await forward(rows, kind)
 
@@ -386,7 +426,9 @@ async def test_forced_drafts_are_verified_like_drafts() -> None:
 
     async def spy(pass_rows: list[Any], kind: str) -> torch.Tensor:
         if kind == "verify":
-            rows.extend((r.forced_drafts, r.tokens, r.outputs) for r in pass_rows)
+            rows.extend(
+                (r.outputs > 1 and not r.own_drafts, r.tokens, r.outputs) for r in pass_rows
+            )
         return await forward(pass_rows, kind)
 
     spec._forward = spy  # type: ignore[method-assign]
