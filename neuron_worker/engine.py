@@ -496,6 +496,13 @@ class Engine:
         self.metrics.drafts(declined=sum(len(d) for d in drafts.values()))
         return {}
 
+    def _propose(self, drafter: Drafter, want: int, most: int) -> list[int]:
+        """The drafter's proposal, `want` drafts at most, or up to `most` when they are a copy
+        that closes a quoted string: a copy cut before its closing quote gets no forced tail
+        from the grammar, and the tail is most of what such drafts are worth."""
+        d = drafter.propose(most)
+        return d if d and self._closes_quote(d) else d[:want]
+
     def _closes_quote(self, drafts: list[int]) -> bool:
         return self.tokenizer.token_bytes(drafts[-1]).endswith(b'"')
 
@@ -632,10 +639,11 @@ class Engine:
                 r.budget = DraftBudget(spec)
             assert r.budget is not None
             _sync_history(r.drafter, r)
-            want = min(r.budget.want(), self._room(r) - 1)
+            most = min(spec.num_draft_tokens, self._room(r) - 1)
             if left is not None:
-                want = min(want, left)
-            d = r.drafter.propose(want) if want > 0 else []
+                most = min(most, left)
+            want = min(r.budget.want(), most)
+            d = self._propose(r.drafter, want, most) if want > 0 else []
             if left is not None:
                 left -= len(d)
             if d:

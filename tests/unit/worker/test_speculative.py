@@ -164,6 +164,28 @@ def test_in_a_quoted_value_the_copy_ends_with_the_phrase_and_closes_the_quote() 
     )
 
 
+class FixedDrafter:
+    """Proposes `tokens`, `k` of them."""
+
+    def __init__(self, text: str) -> None:
+        self.tokens = TOK.encode(text)
+
+    def propose(self, k: int) -> list[int]:
+        return self.tokens[:k]
+
+
+def test_a_copy_that_closes_a_string_is_proposed_whole_within_the_most() -> None:
+    """The budget's k cuts ordinary drafts, not a copy that closes a quoted string (cut before
+    its quote it would get no forced tail); `most` (the pass budget, the room) still does."""
+    engine, _ = make_engine(overlap=False, limit=30, speculative=token_drafts(4))
+    closing = FixedDrafter(' Gonzalez"')
+    assert len(closing.tokens) == 3
+    assert engine._propose(closing, 1, 4) == closing.tokens  # type: ignore[arg-type]
+    assert engine._propose(closing, 1, 2) == closing.tokens[:1]  # type: ignore[arg-type]
+    running = FixedDrafter(" Gonzalez is an architect")
+    assert engine._propose(running, 1, 4) == running.tokens[:1]  # type: ignore[arg-type]
+
+
 def test_budget_backs_off_pauses_and_recovers() -> None:
     cfg = DraftConfig(num_draft_tokens=4, patience=2, cooldown=3)
     b = DraftBudget(cfg)
