@@ -483,7 +483,7 @@ class Session:
                 cut = next((j for j, t in enumerate(d) if not 0 <= t < vocab), len(d))
                 t0 = time.thread_time()
                 a = g.validate_drafts(d[:cut]) if cut else 0
-                if a == len(d) and i in forced_room and i not in forced_drafts:
+                if d and a == len(d) and i in forced_room and i not in forced_drafts:
                     extended = _forced_tail(g, d, forced_room[i], tok, req.jump_forward)
                     if extended is not None:
                         d, at, count = extended

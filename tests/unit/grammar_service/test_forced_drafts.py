@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from grammar_service.runtime import Limits
 from grammar_service.session import Session
 from maskwire.bitmask import step_masks
 from maskwire.tokenizer import Tokenizer, load_tokenizer
@@ -30,8 +31,13 @@ def tok() -> Tokenizer:
     return load_tokenizer("default")
 
 
-async def opened(tok: Tokenizer, jump_forward: bool = True) -> Session:
-    s = Session(runtime(tok))
+async def opened(
+    tok: Tokenizer, jump_forward: bool = True, limits: Limits | None = None
+) -> Session:
+    rt = runtime(tok)
+    if limits is not None:
+        rt.limits = limits
+    s = Session(rt)
     o = await s.open(
         grammar_pb2.Open(
             request_id="r",
@@ -183,3 +189,12 @@ async def test_no_tail_after_a_rejected_draft_or_without_room_for_the_forced_tok
     own = tok.encode(' Gonzalez"')
     row = step(s, [], at, own, room=2).rows[0]  # ` "city":` is three forced tokens
     assert row.accepted_drafts == len(own) and not row.forced_drafts
+
+
+async def test_no_drafts_looked_at_means_no_tail(tok: Tokenizer) -> None:
+    """`--max-drafts-per-row 0`: the service looks at no draft, so nothing is extended, even
+    where the grammar forces bytes (jump-forward off: after `",` the next key is forced)."""
+    s = await opened(tok, jump_forward=False, limits=Limits(max_drafts_per_row=0))
+    head = [*tok.encode('{"name": "'), *tok.encode('Maria",')]
+    row = step(s, head, 0, tok.encode(' "city'), room=8).rows[0]
+    assert row.status == OK and row.accepted_drafts == 0 and not row.forced_drafts
