@@ -160,7 +160,8 @@ def _phrase_end(value: bytes, tail: bytes) -> int:
 
 
 def _capitalized(word: bytes) -> bool:
-    """Whether the word's first letter or digit is a capital or a digit (`"Maria`, `1990`)."""
+    """Whether the word's first letter or digit is not a lowercase ASCII letter (`"Maria`,
+    `1990`, `Ødegaard`)."""
     first = next((c for c in word if _in_word(c)), None)
     return first is None or not 97 <= first <= 122
 
@@ -384,11 +385,12 @@ class DraftBudget:
 def accepted_prefix(drawn: Sequence[int], drafts: Sequence[int], forced: range = range(0)) -> int:
     """How many leading drafts verification keeps: `drawn[j]` is the token the sampler drew
     (masked, from the target's distribution) at draft `j`'s position; a draft is kept while it
-    equals the draw, and a draft the grammar forces (its index in `forced`) is kept whatever
-    was drawn, as a jump-forward token would be. With greedy rows that is "the masked argmax equals the draft"; with
+    equals the draw. With greedy rows that is "the masked argmax equals the draft"; with
     sampling it is exact speculative sampling for a deterministic drafter (a draft `d` survives
     with probability p(d), and the draw that replaces a rejected one follows p restricted to
-    tokens other than `d`, the residual distribution). The caller emits `drawn[: a + 1]`."""
+    tokens other than `d`, the residual distribution). A draft the grammar forces (its index in
+    `forced`) is kept whatever was drawn, as a jump-forward token is. The caller emits the
+    first `a + 1` positions: the draft at a forced one, the draw at the others."""
     for j, d in enumerate(drafts):
         if j not in forced and (j >= len(drawn) or drawn[j] != d):
             return j
