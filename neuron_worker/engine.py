@@ -76,8 +76,9 @@ _PAD_ROW: dict[str, float] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "see
 
 @dataclass
 class _Row:
-    """One request's slice of a forward pass: tokens to write starting at `start`; the pass
-    returns the logits of its last `outputs` tokens (more than one: speculative verification)."""
+    """One request's slice of a forward pass: tokens to write starting at `start`; its last
+    `outputs` tokens are the positions the pass draws at (more than one: speculative
+    verification), those `wanted` names with logits."""
 
     req: Request
     tokens: list[int]
@@ -88,11 +89,19 @@ class _Row:
     # a sampling step (`RowOutcome.forced_jump`).
     jump: tuple[int, int] = (0, 0)
 
+    def wanted(self) -> list[int]:
+        """Which of the last `outputs` positions the pass returns logits for: all but the
+        forced drafts', which are kept whatever is drawn there (an LM head row and a sampling
+        row saved each; at c1 a field's three forced key tokens keep a verification pass within
+        one read of the head's weights)."""
+        start, count = self.jump
+        return [j for j in range(self.outputs) if not start <= j < start + count]
+
     def positions(self) -> list[tuple[Request, int, int]]:
         """(request, mask row, sampling counter) of each logits row the pass returns for it: a
-        forced draft's position takes no counter, as a jump-forward token takes none."""
+        forced draft's position has none, as a jump-forward token takes no counter."""
         start, count = self.jump
-        return [(self.req, j, j - min(max(j - start, 0), count)) for j in range(self.outputs)]
+        return [(self.req, j, j - min(max(j - start, 0), count)) for j in self.wanted()]
 
 
 def _own_prefix(drafts: Sequence[int], own: Sequence[int]) -> int:
@@ -654,7 +663,7 @@ class Engine:
     async def _speculate(self, batch: list[Request], drafts: dict[Request, list[int]]) -> int:
         """A step with drafts: the grammar checks them first (their rejected tail never reaches
         the device), one forward verifies every kept draft, the sampler draws a token at every
-        position, and each request keeps its drafts up to the first the sampler disagrees with.
+        position but a forced draft's, and each request keeps its drafts up to the first the sampler disagrees with.
         Returns the number of drafts verified (the drafter's and the grammar's)."""
         started = time.perf_counter()
         outcomes = await self._check_drafts(batch, drafts)
@@ -698,7 +707,8 @@ class Engine:
         outcomes: dict[Request, RowOutcome],
     ) -> list[_Row]:
         """Stage 3: apply the grammar's answers; each live request becomes one row of pending +
-        forced + kept drafts, with logits wanted at every draft position and the one after.
+        forced + kept drafts, with logits wanted at every draft position (but a forced draft's,
+        `_Row.wanted`) and the one after.
         Forced tokens count against the pass's token budget before drafts do; the grammar's
         forced drafts do not count (it forces those bytes: they are nearly always accepted, and
         at c8 they were worth their width, 1.07x against 0.94x with them in the budget)."""
@@ -750,12 +760,12 @@ class Engine:
         accepted_total = emitted = 0
         for row in rows:
             r = row.req
-            first = i
-            drawn = sampled.tokens[i : i + row.outputs]
-            i += row.outputs
             d = row.tokens[len(row.tokens) - row.outputs + 1 :]
             start, count = row.jump
             forced = range(start, start + count)
+            at = {j: i + n for n, j in enumerate(row.wanted())}  # position -> logits row
+            i += len(at)
+            drawn = [sampled.tokens[at[j]] if j in at else d[j] for j in range(row.outputs)]
             a = accepted_prefix(drawn, d, forced)
             if r.budget is not None and row.own_drafts:
                 r.budget.record(row.own_drafts, min(a, row.own_drafts))
@@ -769,7 +779,7 @@ class Engine:
                     if self._append(r, [d[j]], forced=True):
                         break
                 else:
-                    lp = sampled.logprobs[first + j] if sampled.logprobs else None
+                    lp = sampled.logprobs[at[j]] if sampled.logprobs else None
                     self._accept(r, drawn[j], lp)
                     emitted += 1
                 if j < a and not r.finished:  # an accepted draft: its K/V is in the cache
@@ -785,24 +795,24 @@ class Engine:
 
     # ------------------------------------------------------------------ device work
     async def _forward(self, rows: list[_Row], kind: str) -> Logits:
-        """One forward pass over `rows`; returns logits for each row's last `outputs` tokens,
-        row after row (then padding rows: garbage)."""
+        """One forward pass over `rows`; returns logits for each row's `wanted` positions, row
+        after row (then padding rows: garbage)."""
         end = max(row.start + len(row.tokens) for row in rows)
         n, t, kv_len = self.forward.shape(len(rows), max(len(r.tokens) for r in rows), end)
-        wanted = sum(row.outputs for row in rows)
-        count = self.forward.logits_count(n, wanted, max(row.outputs for row in rows))
+        wanted = [row.wanted() for row in rows]
+        count = self.forward.logits_count(n, sum(map(len, wanted)), max(map(len, wanted)))
         tokens = np.zeros((n, t), dtype=np.int64)
         pos = np.full((n, t), -1, dtype=np.int64)
         slots = np.full(n, self.pad_slot, dtype=np.int64)
         last = np.zeros(count, dtype=np.int64)
         o = 0
-        for i, row in enumerate(rows):
+        for i, (row, want) in enumerate(zip(rows, wanted, strict=True)):
             k = len(row.tokens)
             tokens[i, :k] = row.tokens
             pos[i, :k] = np.arange(row.start, row.start + k)
             slots[i] = row.req.slot
-            last[o : o + row.outputs] = i * t + np.arange(k - row.outputs, k)
-            o += row.outputs
+            last[o : o + len(want)] = i * t + k - row.outputs + np.asarray(want)
+            o += len(want)
             row.req.forward_passes += 1
         p = Pass(tokens, pos, slots, last, kv_len, prefill=kind == "prefill")
         began = time.perf_counter()

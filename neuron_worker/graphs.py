@@ -31,8 +31,8 @@ Two shape policies:
 
 Which logits a pass returns: one per entry of `Pass.last`, a flat index into the [rows x tokens]
 grid. A decode pass names each of its rows; a flat pass, only the tokens whose logits are wanted
-(the LM head runs for those alone); a verification pass, every draft position of every row
-(`verify_width` per row at most; bucketed: the logits rows are padded to rows x `verify_width`
+(the LM head runs for those alone); a verification pass, the draft positions of every row but
+the grammar's forced ones (`verify_width` per row at most; bucketed: the logits rows are padded to rows x `verify_width`
 for such passes, one more graph per forward bucket).
 """
 

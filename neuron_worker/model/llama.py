@@ -436,7 +436,7 @@ class Transformer(nn.Module):
         engine runs (and compiles) for those passes. With one token per row, `last` holds rows
         (a decode pass names each row; a flat pass of many tokens, the few whose logits are
         wanted, so the LM head runs for those only); with several, flat indices `row * T +
-        column` (a row's last token, or every draft position of a speculative verification)."""
+        column` (a row's last token, or the draft positions of a speculative verification)."""
         return self._logits_of(tokens, input_pos, cache_slots, kv_positions, last, True)
 
     def prefill_logits(

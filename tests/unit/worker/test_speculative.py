@@ -21,9 +21,11 @@ from neuron_worker.drafter import (
     TextDrafter,
     accepted_prefix,
 )
-from neuron_worker.engine import Engine
+from neuron_worker.engine import Engine, _Row
+from neuron_worker.graphs import Pass
 from neuron_worker.request import Request, Sampling
 from neuron_worker.sampler import sample_tokens
+from neuron_worker.step_device import Sampled
 from tests.unit.worker.test_engine import (
     FF,
     FORCED_DRAFT,
@@ -467,6 +469,48 @@ async def test_forced_drafts_are_verified_like_drafts() -> None:
     # The drafter's budget records its own drafts only.
     own = sum(r.budget.proposed for r in reqs if r.budget is not None)
     assert own == stats.draft_kept - stats.draft_forced
+
+
+async def test_forced_draft_positions_get_no_logits_and_keep_their_drafts() -> None:
+    """A verification row of two own drafts, three tokens the grammar forces (`jump`) and one
+    draft after them: the pass asks logits for the own drafts, the tail's draft and the position
+    after it only; commit keeps the forced tokens without a draw there and emits the draws
+    elsewhere, so a draw's sampling counter skips the forced positions."""
+    engine, _ = make_engine(overlap=False, bucketed=False, limit=30, speculative=token_drafts(4))
+    await engine.start()
+    r = make_request(0, constrained=False, max_tokens=30)
+    r.slot = 0
+    own, jump, tail = [NORMAL[1], NORMAL[2]], [NORMAL[3], NORMAL[4], NORMAL[5]], [NORMAL[6]]
+    row = _Row(r, [NORMAL[0], *own, *jump, *tail], len(r.prompt), 7, own_drafts=2, jump=(2, 3))
+    passes: list[Pass] = []
+    forward = engine.device.forward
+
+    def spy(p: Pass) -> Any:
+        passes.append(p)
+        return forward(p)
+
+    engine.device.forward = spy  # type: ignore[method-assign]
+    try:
+        logits = await engine._forward([row], "verify")
+    finally:
+        await engine.stop()
+    (p,) = passes
+    assert p.last.tolist() == [0, 1, 5, 6] and logits.rows == 4  # (pending, own, own, tail)
+    assert row.positions() == [(r, 0, 0), (r, 1, 1), (r, 5, 2), (r, 6, 3)]
+
+    # The sampler agrees with the own drafts and the tail's draft, and draws NORMAL[9] after it.
+    engine._commit([row], Sampled(tokens=[NORMAL[1], NORMAL[2], NORMAL[6], NORMAL[9]], logprobs=[]))
+    assert r.output == [*own, *jump, *tail, NORMAL[9]]
+    assert r.accepted_drafts == 6 and r.draft_tokens == 6
+
+    # A draw that rejects the tail's draft replaces it; the forced tokens before it stay.
+    r2 = make_request(1, constrained=False, max_tokens=30)
+    r2.slot = 1
+    row2 = _Row(r2, [NORMAL[0], *own, *jump, *tail], len(r2.prompt), 7, own_drafts=2, jump=(2, 3))
+    engine._commit(
+        [row2], Sampled(tokens=[NORMAL[1], NORMAL[2], NORMAL[8], NORMAL[9]], logprobs=[])
+    )
+    assert r2.output == [*own, *jump, NORMAL[8]]
 
 
 async def test_a_request_can_opt_out() -> None:
