@@ -191,7 +191,9 @@ at::Tensor matmul_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const auto* pp = params.const_data_ptr<float>();
   auto* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<c10::BFloat16>());
   // Grain 4 blocks (64 channels): even the smallest projection runs on every thread.
-  maskwire::over_rows_and_blocks(rows, blocks, 4, [&](auto m, int64_t row, int64_t b0, int64_t b1) {
+  const int64_t block_bytes = groups * (F::kChunks * 32 + F::kParams * kBlock * 4);
+  maskwire::over_rows_and_blocks(rows, blocks, block_bytes, 4, [&](auto m, int64_t row, int64_t b0,
+                                                                   int64_t b1) {
     const float* row_sums = xsum.empty() ? nullptr : xsum.data() + row * groups;
     blocks_for_rows<F, decltype(m)::value>(xp + row * k, row_sums, k, wp, pp, b0, b1, op + row * n,
                                            n);

@@ -154,7 +154,9 @@ at::Tensor matmul_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const auto* pp = params.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
   // Grain 8 blocks (64 channels): even the smallest projection runs on every thread.
-  maskwire::over_rows_and_blocks(rows, blocks, 8, [&](auto m, int64_t row, int64_t b0, int64_t b1) {
+  const int64_t block_bytes = groups * (F::kChunks * kBlock + F::kParams * kBlock * 4);
+  maskwire::over_rows_and_blocks(rows, blocks, block_bytes, 8, [&](auto m, int64_t row, int64_t b0,
+                                                                   int64_t b1) {
     const float* row_sums = xsum.empty() ? nullptr : xsum.data() + row * groups;
     blocks_for_rows<F, decltype(m)::value>(xp + row * k, row_sums, k, wp, pp, b0, b1, op + row * n,
                                            n);
