@@ -9,7 +9,9 @@ with `GenerateRequest.disable_speculation`), at each concurrency:
   with several string fields), greedy: the record copies names and places from the passage;
 * free text: greedy continuations of short prompts with little to copy.
 
-Each batch runs twice per side, in the order on, off, off, on. Reports per workload and
+Each batch runs twice per side, in the order on, off, off, on, `--rounds` times (a c8 batch
+takes ~2 s: on 2 shared cores one round's ratio moves by 10%; `round_speedups` lists each
+round's, the totals pool them). Reports per workload and
 concurrency: tokens/s (completion tokens over the batch's wall time), decode tokens/s (the same
 tokens over the wall time minus the worker's time in prompt passes, from its /metrics: the part
 that speculation can shorten; the prompts cost the same on both sides), forward passes per token
@@ -171,10 +173,10 @@ async def batch(
     return Batch(list(results), seconds, prefill_seconds(metrics_url) - prefill)
 
 
-def summary(first: Batch, second: Batch) -> dict[str, float]:
-    results = first.results + second.results
-    seconds = first.seconds + second.seconds
-    prefill_s = first.prefill_s + second.prefill_s
+def summary(batches: list[Batch]) -> dict[str, float]:
+    results = [r for b in batches for r in b.results]
+    seconds = sum(b.seconds for b in batches)
+    prefill_s = sum(b.prefill_s for b in batches)
     tokens = sum(r["tokens"] for r in results)
     passes = sum(r["passes"] for r in results)
     drafts = sum(r["drafts"] for r in results)
@@ -204,14 +206,20 @@ async def measure(address: str, metrics_url: str, args: argparse.Namespace) -> l
         await one(stub, FREE[0], None, 4, True)  # first-request costs out of the way
         for c in args.concurrency:
             for name, prompts, cons, max_tokens in workloads:
-                # Interleaved A B B A (same worker, same minutes): a host whose load drifts
-                # favours neither side.
+                # Rounds of A B B A (same worker, same minutes): a host whose load drifts
+                # favours neither side. Totals over every round; each round's ratio too.
                 runs: dict[bool, list[Batch]] = {True: [], False: []}
-                for speculate in (True, False, False, True):
-                    runs[speculate].append(
-                        await batch(stub, metrics_url, prompts, cons, max_tokens, c, speculate)
-                    )
-                on, off = (summary(*runs[s]) for s in (True, False))
+                for _ in range(args.rounds):
+                    for speculate in (True, False, False, True):
+                        runs[speculate].append(
+                            await batch(stub, metrics_url, prompts, cons, max_tokens, c, speculate)
+                        )
+                on, off = (summary(runs[s]) for s in (True, False))
+                rounds = [
+                    summary(runs[True][2 * i : 2 * i + 2])["tokens_per_s"]
+                    / summary(runs[False][2 * i : 2 * i + 2])["tokens_per_s"]
+                    for i in range(args.rounds)
+                ]
                 identical = all(
                     a["ids"] == b["ids"]
                     for a, b in zip(runs[True][0].results, runs[False][0].results, strict=True)
@@ -222,6 +230,7 @@ async def measure(address: str, metrics_url: str, args: argparse.Namespace) -> l
                     "on": on,
                     "off": off,
                     "speedup": round(on["tokens_per_s"] / off["tokens_per_s"], 3),
+                    "round_speedups": [round(x, 3) for x in rounds],
                     "decode_speedup": round(
                         on["decode_tokens_per_s"] / off["decode_tokens_per_s"], 3
                     ),
@@ -263,6 +272,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=1, help="A B B A rounds per workload and c")
     p.add_argument("--reference", action="store_true", help="worker eager fp32 (fast start)")
     p.add_argument("--out", default=str(ROOT / "bench/results/speculative.json"))
     p.add_argument(
