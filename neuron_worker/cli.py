@@ -180,8 +180,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=-1,
         help="most tokens in one verification pass, every row's pending, forced and draft "
-        "tokens together; drafts beyond it are not proposed (default -1: the max batch size on "
-        "cpu, where a wider pass costs more than its drafts save; no limit elsewhere; 0: none)",
+        "tokens together; drafts beyond it are not proposed, but a copy that closes a string of "
+        "a constrained output (the grammar's forced tail follows it) is not counted (default "
+        "-1: the max batch size on cpu, where a wider pass costs about its width; no limit "
+        "elsewhere; 0: none)",
     )
     p.add_argument(
         "--speculation-gate",

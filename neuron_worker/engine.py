@@ -104,6 +104,18 @@ class _Row:
         return [(self.req, j, j - min(max(j - start, 0), count)) for j in self.wanted()]
 
 
+@dataclass
+class _Answered:
+    """A request still running after the grammar's answer, before the pass's token budget."""
+
+    req: Request
+    prefix: list[int]  # pending + forced tokens
+    drafts: list[int]  # its own kept drafts, or the grammar's forced drafts
+    own: int  # leading drafts that are the row's own
+    jump: tuple[int, int]  # forced tokens among the drafts (`_Row.jump`)
+    closing: bool  # its own drafts close a string: the budget does not cut them
+
+
 def _own_prefix(drafts: Sequence[int], own: Sequence[int]) -> int:
     """How many leading `drafts` are the row's `own` ones."""
     n = 0
@@ -498,7 +510,7 @@ class Engine:
             assert r.budget is not None  # made with its drafter
             # Drafts that close a quoted string are likely to get the grammar's forced tokens
             # after them (the next key), as many as such tails have had so far.
-            tail = self.forced_tail if r.grammar is not None and self._closes_quote(d) else 0.0
+            tail = self.forced_tail if self._brings_tail(r, d) else 0.0
             rows.append((len(d), r.budget.acceptance(), tail))
         if self.gate.worth_it(len(batch), rows):
             return drafts
@@ -514,6 +526,11 @@ class Engine:
 
     def _closes_quote(self, drafts: list[int]) -> bool:
         return self.tokenizer.token_bytes(drafts[-1]).endswith(b'"')
+
+    def _brings_tail(self, r: Request, drafts: list[int]) -> bool:
+        """Whether `drafts` may get the grammar's forced tail: they close a quoted string of a
+        constrained output."""
+        return r.grammar is not None and bool(drafts) and self._closes_quote(drafts)
 
     def _forced_drafts_apply(self, batch: list[Request]) -> bool:
         """Whether a step should ask the grammar for forced drafts although no row has its own:
@@ -634,7 +651,10 @@ class Engine:
     # ------------------------------------------------------------------ speculative decode
     def _plan_drafts(self, batch: list[Request]) -> dict[Request, list[int]]:
         """Stage 1: each request's draft tokens (none when speculation is off for it), within
-        the pass's token budget (`DraftConfig.pass_tokens`; each row's pending token counts)."""
+        the pass's token budget (`DraftConfig.pass_tokens`; each row's pending token counts),
+        but a copy that closes a string of a constrained output (`_brings_tail`) is kept whole
+        and not counted: the grammar's forced tail comes with it, and verified without a
+        budget such copies paid at c8 where other drafts did not."""
         spec = self.config.speculative
         if spec is None:
             return {}
@@ -649,11 +669,10 @@ class Engine:
             assert r.budget is not None
             _sync_history(r.drafter, r)
             most = min(spec.num_draft_tokens, self._room(r) - 1)
-            if left is not None:
-                most = min(most, left)
             want = min(r.budget.want(), most)
             d = self._propose(r.drafter, want, most) if want > 0 else []
-            if left is not None:
+            if left is not None and not self._brings_tail(r, d):
+                d = d[: max(0, left)]
                 left -= len(d)
             if d:
                 drafts[r] = d
@@ -711,8 +730,9 @@ class Engine:
         `_Row.wanted`) and the one after.
         Forced tokens count against the pass's token budget before drafts do; the grammar's
         forced drafts do not count (it forces those bytes: they are nearly always accepted, and
-        at c8 they were worth their width, 1.07x against 0.94x with them in the budget)."""
-        live: list[tuple[Request, list[int], list[int], int, tuple[int, int]]] = []
+        at c8 they were worth their width, 1.07x against 0.94x with them in the budget), nor do
+        own drafts that close a string (stage 1)."""
+        live: list[_Answered] = []
         for r in batch:
             pending = r.pending
             r.pending = None
@@ -734,24 +754,28 @@ class Engine:
                 d, jump = out.forced_drafts, out.forced_jump
             elif out is not None:
                 d = d[: out.accepted_drafts]
+            closing = self._brings_tail(r, drafts.get(r, []))
             d = d[: max(0, self._room(r) - 1)]
-            live.append((r, [pending, *ff], d, min(own, len(d)), jump))  # type: ignore[list-item]
+            prefix: list[int] = [pending, *ff]  # type: ignore[list-item]
+            live.append(_Answered(r, prefix, d, min(own, len(d)), jump, closing))
         spec = self.config.speculative
         left = None
         if spec is not None and spec.pass_tokens:
-            left = spec.pass_tokens - sum(len(prefix) for _, prefix, _, _, _ in live)
+            left = spec.pass_tokens - sum(len(a.prefix) for a in live)
         rows: list[_Row] = []
-        for r, prefix, d, own, jump in live:
-            if left is not None and own > max(0, left):
-                own = max(0, left)  # the grammar's drafts after them go with them
-                d = d[:own]
-            if left is not None:
+        for a in live:
+            d, own = a.drafts, a.own
+            if left is not None and not a.closing:
+                if own > max(0, left):
+                    own = max(0, left)  # the grammar's drafts after them go with them
+                    d = d[:own]
                 left -= own
-            start, count = jump
+            start, count = a.jump
             jump = (start, max(0, min(count, len(d) - start)))  # drafts cut by the limits
             self.metrics.drafts(kept=len(d))
-            rows.append(_Row(r, [*prefix, *d], r.cached, 1 + len(d), own_drafts=own, jump=jump))
-            r.cached += len(prefix)
+            r = a.req
+            rows.append(_Row(r, [*a.prefix, *d], r.cached, 1 + len(d), own_drafts=own, jump=jump))
+            r.cached += len(a.prefix)
         return rows
 
     def _commit(self, rows: list[_Row], sampled: Sampled) -> None:

@@ -471,6 +471,47 @@ async def test_forced_drafts_are_verified_like_drafts() -> None:
     assert own == stats.draft_kept - stats.draft_forced
 
 
+class Scripted:
+    """A drafter that proposes the same tokens at every step."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return 1 << 30  # it has seen everything
+
+    def extend(self, tokens: Sequence[int], output: bool = True) -> None:
+        pass
+
+    def propose(self, most: int) -> list[int]:
+        return self.tokens[:most]
+
+
+def test_a_copy_that_closes_a_string_is_not_cut_by_the_pass_budget() -> None:
+    """Four rows and a 6-token budget leave 2 draft tokens: the first row's plain copy takes
+    them; a constrained row's copy that closes a string (the grammar's forced tail may follow)
+    is kept whole and not counted, in stage 1 and stage 3; the same copy in an unconstrained
+    output is cut like any other."""
+    engine, _ = make_engine(overlap=False, limit=30, speculative=token_drafts(4, pass_tokens=6))
+    spec = engine.config.speculative
+    assert spec is not None
+    closing = next(t for t in range(TOK.vocab_size) if TOK.token_bytes(t) == b'"')
+    plain, closes = [NORMAL[4], NORMAL[2], NORMAL[3]], [NORMAL[4], NORMAL[2], closing]
+    reqs = [make_request(i, constrained=i < 3, max_tokens=30) for i in range(4)]
+    for r, d in zip(reqs, [plain, closes, plain, closes], strict=True):
+        r.drafter = Scripted(d)  # type: ignore[assignment]
+        r.budget = DraftBudget(spec)
+        r.pending = NORMAL[1]
+        if r.constrained:
+            r.grammar = object()  # type: ignore[assignment]
+
+    drafts = engine._plan_drafts(reqs)
+    assert drafts == {reqs[0]: plain[:2], reqs[1]: closes}
+
+    rows = engine._verification_rows(reqs, {reqs[0]: plain, reqs[1]: closes}, {})
+    assert [row.tokens[1:] for row in rows] == [plain[:2], closes, [], []]
+
+
 async def test_forced_draft_positions_get_no_logits_and_keep_their_drafts() -> None:
     """A verification row of two own drafts, three tokens the grammar forces (`jump`) and one
     draft after them: the pass asks logits for the own drafts, the tail's draft and the position
