@@ -682,8 +682,9 @@ class Engine:
     async def _speculate(self, batch: list[Request], drafts: dict[Request, list[int]]) -> int:
         """A step with drafts: the grammar checks them first (their rejected tail never reaches
         the device), one forward verifies every kept draft, the sampler draws a token at every
-        position but a forced draft's, and each request keeps its drafts up to the first the sampler disagrees with.
-        Returns the number of drafts verified (the drafter's and the grammar's)."""
+        position but a forced draft's, and each request keeps its drafts up to the first the
+        sampler disagrees with. Returns the number of drafts verified (the drafter's and the
+        grammar's)."""
         started = time.perf_counter()
         outcomes = await self._check_drafts(batch, drafts)
         rows = self._verification_rows(batch, drafts, outcomes)

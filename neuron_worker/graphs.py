@@ -32,8 +32,8 @@ Two shape policies:
 Which logits a pass returns: one per entry of `Pass.last`, a flat index into the [rows x tokens]
 grid. A decode pass names each of its rows; a flat pass, only the tokens whose logits are wanted
 (the LM head runs for those alone); a verification pass, the draft positions of every row but
-the grammar's forced ones (`verify_width` per row at most; bucketed: the logits rows are padded to rows x `verify_width`
-for such passes, one more graph per forward bucket).
+the grammar's forced ones (`verify_width` per row at most; bucketed: the logits rows are padded
+to rows x `verify_width` for such passes, one more graph per forward bucket).
 """
 
 from __future__ import annotations
