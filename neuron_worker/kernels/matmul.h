@@ -38,14 +38,9 @@ inline void with_rows(int64_t m, Call&& call) {
 template <class BlocksFn>
 void over_rows_and_blocks(int64_t rows, int64_t blocks, int64_t block_bytes, int64_t grain,
                           BlocksFn&& blocks_fn) {
-  if (rows == 0) return;
-  if (rows <= kMaxRows) {  // one pass (a decode step): a task's blocks in one call
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-      with_rows(rows, [&](auto rows_in_pass) { blocks_fn(rows_in_pass, 0, b0, b1); });
-    });
-    return;
-  }
-  const int64_t tile = std::max<int64_t>(1, kTileBytes / block_bytes);
+  // One pass of rows (a decode step) takes a task's blocks in one call: tiles measured 10-15%
+  // slower there.
+  const int64_t tile = std::max<int64_t>(1, rows <= kMaxRows ? blocks : kTileBytes / block_bytes);
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t t0 = b0; t0 < b1; t0 += tile) {
       const int64_t t1 = std::min(b1, t0 + tile);
