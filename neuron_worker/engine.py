@@ -790,7 +790,8 @@ class Engine:
             forced = range(start, start + count)
             at = {j: i + n for n, j in enumerate(row.wanted())}  # position -> logits row
             i += len(at)
-            drawn = [sampled.tokens[at[j]] if j in at else d[j] for j in range(row.outputs)]
+            # No draw at a forced position: `accepted_prefix` keeps the draft there.
+            drawn = [sampled.tokens[at[j]] if j in at else -1 for j in range(row.outputs)]
             a = accepted_prefix(drawn, d, forced)
             if r.budget is not None and row.own_drafts:
                 r.budget.record(row.own_drafts, min(a, row.own_drafts))
