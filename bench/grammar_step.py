@@ -66,7 +66,7 @@ from maskwire.v1 import common_pb2, grammar_pb2  # noqa: E402
 from neuron_worker.grammar_client import Replica  # noqa: E402
 from tests.support.processes import ServiceProcess, free_port  # noqa: E402
 
-TESTDATA = ROOT.parent / "shared" / "testdata" / "maskbench"
+TESTDATA = ROOT / "tests" / "fixtures" / "third_party" / "maskbench"
 BATCHES = (1, 8, 32, 64)
 COMPACT = {
     "whitespace_flexible": False,

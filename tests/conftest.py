@@ -10,14 +10,16 @@ import pytest
 
 from neuron_worker.compile_fallback import fallback_counts
 
-ROOT = Path(__file__).resolve().parent.parent
-TESTDATA = ROOT.parent / "shared" / "testdata"
+TESTDATA = Path(__file__).resolve().parent / "fixtures" / "third_party"
+TESTDATA_SETS = ("json-schema-test-suite", "maskbench")
 
 
 @pytest.fixture(scope="session")
 def testdata() -> Path:
-    if not TESTDATA.is_dir():
-        pytest.fail(f"third-party test data missing at {TESTDATA}")
+    """The third-party test data the repository carries (only the files the tests read)."""
+    missing = [name for name in TESTDATA_SETS if not (TESTDATA / name).is_dir()]
+    if missing:
+        pytest.fail(f"third-party test data missing: {', '.join(missing)} under {TESTDATA}")
     return TESTDATA
 
 
