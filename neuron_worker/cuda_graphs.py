@@ -1,7 +1,7 @@
 """CUDA graphs of the one-token-per-row forward (`--cuda-graphs`, CUDA only).
 
 A compiled decode step of SmolLM2 on an H200 takes ~12 ms, nearly all of it launching ~400 small
-kernels from Python (session 35's worker timers: decode forward 11.8 ms for a 135M model). A
+kernels from Python (the worker's timers: decode forward 11.8 ms for a 135M model). A
 CUDA graph replays the same kernels in one launch. The dynamic `decode` graph
 (`neuron_worker.graphs`) is captured at warm-up once per (rows, KV length) bucket: rows 2, 4,
 8, ... up to the widest pass a step makes (the batch, times 1 + drafts when speculating), KV

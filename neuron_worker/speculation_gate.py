@@ -4,7 +4,7 @@ A speculative step computes 1 + k positions for a row with k drafts, waits for t
 its forward (no overlap) and samples every position; a plain step computes one position per row.
 Where the drafts are seldom accepted, that costs more than it gains: free text on an H200 at c8
 ran at 0.67x with speculation, the verify pass alone costing 1.37x a decode pass
-(docs/benchmarks.md, "CUDA: the second run"). The gate compares, for the step at hand,
+(docs/benchmarks.md, "CUDA on an H200"). The gate compares, for the step at hand,
 
     expected tokens / cost of a speculative step of this shape   (each drafting row:
         1 + a + a^2 + ... + a^k for its k drafts, a its acceptance so far, + a^k t for the t

@@ -245,7 +245,7 @@ HTTP_CASES: list[HttpCase] = [
         "schema-unsupported-keyword-strict-mode",
         {
             **schema_body({"type": "string", "if": {"type": "string"}, "then": {"minLength": 2}}),
-            "schema_mode": "strict",  # complete mode (the default) takes it: issue 15
+            "schema_mode": "strict",  # complete mode (the default) takes it
         },
         400,
         "unsupported_constraint",
@@ -264,7 +264,7 @@ HTTP_CASES: list[HttpCase] = [
         raw_chat_with_schema(nested_schema_text(900)),
         400,
         param=SCHEMA_PARAM,
-        message="nested deeper than",  # the gateway's --max-json-depth (issue 18)
+        message="nested deeper than",  # the gateway's --max-json-depth
     ),
     HttpCase(
         "schema-5mb",
@@ -727,9 +727,9 @@ ACTION_CASES: list[ActionCase] = [
 ]
 
 
-# -- issue 18: hostile inputs, gateway and worker side ------------------------------------------
+# -- hostile inputs, gateway and worker side ----------------------------------------------------
 # Lone surrogates in any field, token ids past int32, deep nesting, prompts over the byte limits,
-# errors that would echo megabytes, undecodable messages on streams (classes 2-5 of issue 18).
+# errors that would echo megabytes, undecodable messages on streams.
 
 LONE = "\ud800"  # json.dumps writes it as the escape `\ud800`, as a hostile client would
 ONE_MIB = 1024 * 1024

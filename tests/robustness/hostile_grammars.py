@@ -1,4 +1,4 @@
-"""Catalogue cases for hostile constraints (issue 18, grammar side; issue 19): chains deep enough
+"""Catalogue cases for hostile constraints, grammar side: chains deep enough
 to overflow the grammar compiler's native stack, a constraint that crashes the compiler (the
 test-only fault hook the catalogue's grammar service runs with), ambiguous grammars whose parser
 work explodes, errors that quote a huge input, and compiles that try to starve the others.

@@ -409,7 +409,7 @@ SCENARIOS: dict[str, Callable[[Stack], None]] = {
 }
 
 
-# -- issue 18 scenarios: hostile inputs, gateway and worker side -------------------------------
+# -- hostile-input scenarios, gateway and worker side ------------------------------------------
 
 
 def bounded_echoes(stack: Stack) -> None:
@@ -425,7 +425,7 @@ def bounded_echoes(stack: Stack) -> None:
         assert len(r.content) < 10_000, len(r.content)
 
 
-# Health must answer within a second (issue 18); measured 0.002-0.03 s during these scenarios on
+# Health must answer within a second; measured 0.002-0.03 s during these scenarios on
 # an idle machine, 2-10 s before the fix. The bound leaves room for a loaded shared CI machine,
 # where the polling thread itself can wait for a CPU; the unit test
 # tests/unit/worker/test_servicer_limits.py bounds the worker's event-loop lag strictly.

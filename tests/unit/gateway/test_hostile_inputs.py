@@ -1,4 +1,4 @@
-"""Hostile request bodies get 400s in OpenAI's shape that name the field (issue 18, classes 2-4):
+"""Hostile request bodies get 400s in OpenAI's shape that name the field:
 lone surrogates anywhere, token ids past int32, deep nesting, oversized prompts, and error
 messages that would echo megabytes of input."""
 

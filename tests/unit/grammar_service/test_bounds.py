@@ -21,7 +21,7 @@ def tok() -> Tokenizer:
 
 
 def ref_chain(n: int) -> dict[str, Any]:
-    """The query of death of issue 19: `d0: array of $ref d1`, ..., `dn: integer`."""
+    """A query of death: `d0: array of $ref d1`, ..., `dn: integer`."""
     defs: dict[str, Any] = {
         f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(n)
     }

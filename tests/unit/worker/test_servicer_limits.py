@@ -1,6 +1,6 @@
 """The worker's request validation is bounded by its limits, not by what was sent: prompts are
 measured before they are tokenized, tokenized off the event loop, and repeated fields counted
-before they are read (issue 18)."""
+before they are read."""
 
 from __future__ import annotations
 
