@@ -3,6 +3,10 @@
 In a Kubernetes pod `os.cpu_count()` and the affinity mask report the node's CPUs (64 on a large
 node) while the CPU limit is enforced as a cgroup quota (say 2 CPUs' worth of time per period).
 Thread pools sized to the node then spend most of their time throttled, so pools default to this.
+
+The limit is read from this process's own cgroup (`/proc/self/cgroup`: in a container that is the
+namespace's root; a process moved into a group on a host is found there too), v2 `cpu.max` or v1
+`cpu.cfs_quota_us` / `cpu.cfs_period_us`.
 """
 
 from __future__ import annotations
@@ -12,31 +16,79 @@ import os
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
 
 
-def available_cpus(cgroup_root: Path = CGROUP_ROOT) -> int:
+def available_cpus(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int:
     """CPUs in this process's affinity mask, capped by its cgroup CPU quota (rounded up)."""
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         n = os.cpu_count() or 1
-    quota = cgroup_cpu_quota(cgroup_root)
+    quota = cgroup_cpu_quota(cgroup_root, proc_cgroup)
     if quota is not None:
         n = min(n, max(1, math.ceil(quota)))
     return max(1, n)
 
 
-def cgroup_cpu_quota(root: Path = CGROUP_ROOT) -> float | None:
-    """The CPU limit as a number of CPUs (cgroup v2 `cpu.max`, else v1 `cpu.cfs_quota_us` /
-    `cpu.cfs_period_us`), or None when there is none or it cannot be read."""
+def cgroup_cpu_quota(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
+    """The CPU limit as a number of CPUs, or None when there is none or it cannot be read."""
+    for group in _v2_groups(root, proc_cgroup):
+        try:
+            quota, period = (group / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        except (OSError, ValueError):
+            continue
+    for group in _v1_groups(root, proc_cgroup):
+        try:
+            quota_us = int((group / "cpu.cfs_quota_us").read_text())
+            period_us = int((group / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            continue
+        return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+    return None
+
+
+def cgroup_throttled_ns(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int | None:
+    """Nanoseconds this process's cgroup has spent throttled by its CPU quota so far (v2
+    `throttled_usec`, v1 `throttled_time`), or None when it cannot be read."""
+    candidates = [(g, "throttled_usec", 1000) for g in _v2_groups(root, proc_cgroup)]
+    candidates += [(g, "throttled_time", 1) for g in _v1_groups(root, proc_cgroup)]
+    for group, key, scale in candidates:
+        try:
+            lines = (group / "cpu.stat").read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value) * scale
+    return None
+
+
+def _own_paths(proc_cgroup: Path) -> dict[str, str]:
+    """Controller -> this process's group path (`""` for v2's unified hierarchy)."""
+    paths: dict[str, str] = {}
     try:
-        quota, period = (root / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
-        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
-    except (OSError, ValueError):
-        return None
-    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return paths
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        for controller in parts[1].split(","):
+            paths[controller] = parts[2].lstrip("/")
+    return paths
+
+
+def _v2_groups(root: Path, proc_cgroup: Path) -> list[Path]:
+    own = _own_paths(proc_cgroup).get("")
+    groups = [root / own] if own else []
+    return [*groups, root]
+
+
+def _v1_groups(root: Path, proc_cgroup: Path) -> list[Path]:
+    own = _own_paths(proc_cgroup).get("cpu")
+    groups = [root / "cpu" / own] if own else []
+    return [*groups, root / "cpu"]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 import torch
+import torch._inductor.config
 
 from maskwire.bitmask import words_per_row
 from maskwire.cpus import available_cpus
@@ -31,6 +32,7 @@ from neuron_worker.parallel.serving import RankGroup, RankSpec
 from neuron_worker.scheduler import parse_buckets, pow2_buckets
 from neuron_worker.servicer import WorkerServicer
 from neuron_worker.step_device import StepDevice, StepDeviceLike
+from neuron_worker.thread_governor import GovernorConfig, ThreadGovernor
 from neuron_worker.tuning import cache_use, use_compile_cache
 from neuron_worker.tuning import resolve as resolve_tuning
 
@@ -200,6 +202,10 @@ async def serve(
         kernels.set_kernel_dir(tuning.compile_cache / "kernels")
     log.info("worker settings: %s; %d threads", tuning.describe(), torch.get_num_threads())
     tokenizer = load_tokenizer(args.model)
+    if args.adaptive_threads and args.device == "cpu":
+        # Generated C++ kernels read the team size when they run, not when they were compiled, so
+        # the governor's size holds for them too.
+        torch._inductor.config.cpp.dynamic_threads = True
     backend = create_backend(args.device, compile=tuning.compile, cuda_graphs=tuning.cuda_graphs)
     tp = args.tensor_parallel_size
     # From here on torch runs on the device thread only (`neuron_worker.device_thread`: a second
@@ -282,6 +288,10 @@ async def serve(
                 compiled,
             )
     engine.serving()
+    if args.adaptive_threads and backend.name == "cpu" and tp == 1 and torch.get_num_threads() > 1:
+        device_thread.govern(
+            ThreadGovernor(GovernorConfig(full=torch.get_num_threads()), torch.set_num_threads)
+        )
     servicer = WorkerServicer(
         engine,
         tokenizer,

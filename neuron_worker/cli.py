@@ -269,6 +269,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="torch CPU threads (0: torch's default, capped by the container's CPU limit; "
         "with tensor parallelism, per rank, default the CPUs divided by the ranks)",
     )
+    p.add_argument(
+        "--adaptive-threads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CPU, shrink the torch thread team while other processes hold the CPUs it runs on "
+        "(measured per device call from the threads' scheduler wait) and grow it back when they "
+        "are free; off: always --threads (default on)",
+    )
     add_client_tls_arguments(p, "grammar", "the grammar service")
 
 

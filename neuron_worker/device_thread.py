@@ -10,6 +10,10 @@ threads than there are CPUs on a small machine and switches every pool from spin
 to sleeping on a futex (GOMP_SPINCOUNT's throttled mode). Each of the hundreds of parallel regions
 in a forward pass then pays a wake-up: on the 2-CPU machine this was measured to double the decode
 step (10.6 ms with the model loaded on the thread that runs it, 23.5 ms with it loaded on another).
+
+The thread names itself (`thread_governor.TEAM_NAME`) before it runs anything, so the OpenMP
+threads it starts carry the same name: `govern` installs a `ThreadGovernor` that sizes that team
+from the CPU time it really gets (see there).
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from neuron_worker.thread_governor import ThreadGovernor, name_this_thread
+
 T = TypeVar("T")
 
 _executor: ThreadPoolExecutor | None = None
+_governor: ThreadGovernor | None = None
 _lock = threading.Lock()
 
 
@@ -31,10 +38,30 @@ def executor() -> ThreadPoolExecutor:
     global _executor
     with _lock:
         if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maskwire-device")
+            _executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="maskwire-device", initializer=name_this_thread
+            )
         return _executor
+
+
+def govern(governor: ThreadGovernor | None) -> None:
+    """Size the device thread's intra-op team with `governor` around every call from now on
+    (None: leave it as it is)."""
+    global _governor
+    _governor = governor
+
+
+def _governed(fn: Callable[[], T]) -> T:
+    governor = _governor
+    if governor is None:
+        return fn()
+    token = governor.before()
+    try:
+        return fn()
+    finally:
+        governor.after(token)
 
 
 async def run(fn: Callable[[], T]) -> T:
     """Run `fn` on the device thread and await its result."""
-    return await asyncio.get_running_loop().run_in_executor(executor(), fn)
+    return await asyncio.get_running_loop().run_in_executor(executor(), _governed, fn)

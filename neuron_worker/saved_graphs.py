@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+import torch._inductor.config
 from torch import nn
 
 from neuron_worker.backends import LEAN_WRAPPER
@@ -187,6 +188,7 @@ def graph_key(model: nn.Module, ranges: str) -> str:
         sys.version,
         str(torch.backends.cpu.get_cpu_capability()),
         str(torch.get_num_threads()),  # inductor's C++ kernels are generated for a thread count
+        str(torch._inductor.config.cpp.dynamic_threads),  # ... or read it when they run
         ranges,
         str(sorted(LEAN_WRAPPER.items())),  # how inductor wrote the graph's wrapper
         _model_structure(model),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from maskwire.cpus import available_cpus, cgroup_cpu_quota
+from maskwire.cpus import available_cpus, cgroup_cpu_quota, cgroup_throttled_ns
 
 AFFINITY = len(os.sched_getaffinity(0))
 
@@ -50,3 +50,37 @@ def test_unreadable_limits_are_ignored(tmp_path: Path, text: str) -> None:
     assert cgroup_cpu_quota(v2(tmp_path, text)) is None
     assert cgroup_cpu_quota(tmp_path / "missing") is None
     assert available_cpus(tmp_path) == AFFINITY
+
+
+def test_the_quota_of_the_process_own_group_is_found(tmp_path: Path) -> None:
+    # A process moved into a group on a host (no cgroup namespace): its limit is in that group,
+    # not at the hierarchy's root.
+    proc = tmp_path / "cgroup"
+    proc.write_text("4:memory:/x\n1:cpu,cpuacct:/bench/group\n0::/\n")
+    root = mk(tmp_path / "fs")
+    v1(root, "-1", "100000")
+    group = root / "cpu" / "bench" / "group"
+    group.mkdir(parents=True)
+    (group / "cpu.cfs_quota_us").write_text("150000")
+    (group / "cpu.cfs_period_us").write_text("100000")
+    assert cgroup_cpu_quota(root, proc) == 1.5
+    assert available_cpus(root, proc) == min(AFFINITY, 2)
+    assert cgroup_cpu_quota(root, tmp_path / "missing") is None  # the root's: no limit
+
+
+def test_cgroup_v2_group_of_the_process(tmp_path: Path) -> None:
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/pods/worker\n")
+    group = tmp_path / "pods" / "worker"
+    group.mkdir(parents=True)
+    (group / "cpu.max").write_text("50000 100000\n")
+    (group / "cpu.stat").write_text("usage_usec 9\nnr_throttled 3\nthrottled_usec 1234\n")
+    assert cgroup_cpu_quota(tmp_path, proc) == 0.5
+    assert cgroup_throttled_ns(tmp_path, proc) == 1_234_000
+
+
+def test_cgroup_v1_throttled_time(tmp_path: Path) -> None:
+    v1(tmp_path, "50000", "100000")
+    (tmp_path / "cpu" / "cpu.stat").write_text("nr_periods 5\nnr_throttled 2\nthrottled_time 77\n")
+    assert cgroup_throttled_ns(tmp_path, tmp_path / "none") == 77
+    assert cgroup_throttled_ns(tmp_path / "missing", tmp_path / "none") is None
