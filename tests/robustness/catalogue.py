@@ -862,6 +862,25 @@ ISSUE18_ACTION_CASES: list[ActionCase] = [
     ActionCase("worker-reflection-garbage", "worker", "worker_reflection_garbage"),
 ]
 
+# Request ids: one namespace for call ids and the `ID/i` ids of an n > 1 call's choices; Abort
+# and cancellation stop exactly the caller's own call.
+REQUEST_ID_WORKER_CASES: list[WorkerCase] = [
+    WorkerCase(
+        "request-id-with-slash",
+        worker_pb2.GenerateRequest(
+            request_id="x/0", text="Hi", sampling=worker_pb2.SamplingParams(max_tokens=2)
+        ),
+        IA,
+        field="request_id",
+    ),
+]
+
+REQUEST_ID_ACTION_CASES: list[ActionCase] = [
+    ActionCase("worker-abort-empty-id-stops-nothing", "worker", "abort_empty_id"),
+    ActionCase("worker-call-ids-collide-across-n", "worker", "colliding_request_ids"),
+    ActionCase("worker-cancel-ends-exactly-its-own-call", "worker", "cancel_ends_its_own_call"),
+]
+
 
 def all_cases() -> list[Any]:
     from tests.robustness import hostile_grammars as hostile
@@ -874,6 +893,8 @@ def all_cases() -> list[Any]:
         *ISSUE18_HTTP_CASES,
         *ISSUE18_WORKER_CASES,
         *ISSUE18_ACTION_CASES,
+        *REQUEST_ID_WORKER_CASES,
+        *REQUEST_ID_ACTION_CASES,
         *hostile.HTTP_CASES,
         *hostile.WORKER_CASES,
         *hostile.GRAMMAR_CASES,
