@@ -142,6 +142,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-message-bytes", type=int, default=64 * 1024 * 1024, help="gRPC message size limit"
     )
+    p.add_argument(
+        "--testing-faults",
+        action="store_true",
+        help="TEST ONLY, never in production: arm the fault hook of $MASKWIRE_TESTING_FAULT "
+        "(grammars containing its markers abort or hang the service or a compile worker); "
+        "without this flag the variable does nothing",
+    )
     g = p.add_argument_group("llguidance parser limits")
     g.add_argument("--max-items-in-row", type=int, default=2000)
     g.add_argument("--initial-lexer-fuel", type=int, default=1_000_000)
