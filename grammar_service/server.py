@@ -93,6 +93,7 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
         backend=LlgBackend(args.mask_threads or None),
         limits=Limits(
             max_requests=args.max_requests,
+            max_requests_per_stream=args.max_requests_per_stream,
             max_rows_per_step=args.max_rows_per_step,
             max_drafts_per_row=args.max_drafts_per_row,
             compact_min_rows=args.compact_min_rows,
