@@ -420,15 +420,24 @@ def _rejected(field: str, detail: str) -> RpcError:
     )
 
 
-# A test hook (never set in production): `MASKWIRE_TESTING_FAULT=WHERE:ACTION:TEXT[;...]`, WHERE
-# `sandbox` (a compile-sandbox child) or `service` (the service process), ACTION `abort` or
-# `hang`: that process aborts or hangs while compiling a grammar that contains TEXT, so the crash
-# and runaway defences can be tested without depending on whichever input breaks llguidance today.
+# A test hook, armed only by the grammar service's test-only `--testing-faults` flag:
+# `MASKWIRE_TESTING_FAULT=WHERE:ACTION:TEXT[;...]`, WHERE `sandbox` (a compile-sandbox child) or
+# `service` (the service process), ACTION `abort` or `hang`: that process aborts or hangs while
+# compiling a grammar that contains TEXT, so the crash and runaway defences can be tested without
+# depending on whichever input breaks llguidance today. The variable alone does nothing: where it
+# happens to be set, a request carrying TEXT still cannot crash a service started without the flag.
 TESTING_FAULT_ENV = "MASKWIRE_TESTING_FAULT"
+_armed_faults: list[str] = []  # the specs of this process, set by `arm_testing_faults`
+
+
+def arm_testing_faults(spec: str) -> None:
+    """Arm the hook in this process with `spec` (the service does at start with
+    `--testing-faults`; a sandbox child with what its parent armed)."""
+    _armed_faults[:] = [s for s in spec.split(";") if s]
 
 
 def testing_fault_point(where: str, grammar: str) -> None:
-    for spec in os.environ.get(TESTING_FAULT_ENV, "").split(";"):
+    for spec in _armed_faults:
         at, action, text = [*spec.split(":", 2), "", ""][:3]
         if at == where and text and text in grammar:
             if action == "hang":

@@ -45,7 +45,7 @@ from neuron_worker.graphs import CompileCounter, Pass
 from neuron_worker.metrics import Metrics
 from neuron_worker.penalties import OccurrenceTable
 from neuron_worker.request import Request, State, TokenLogprob
-from neuron_worker.scheduler import Scheduler
+from neuron_worker.scheduler import Scheduler, queue_full
 from neuron_worker.speculation_gate import SpeculationGate
 from neuron_worker.step_device import (
     DeviceLostError,
@@ -244,26 +244,29 @@ class Engine:
         """
         return await self.submit_group([req])
 
-    async def submit_group(self, reqs: Sequence[Request]) -> list[str]:
+    async def submit_group(self, reqs: Sequence[Request], peer: str = "") -> list[str]:
         """Queue the choices of one call (n > 1) together, each with its own grammar session:
         all or none are queued, and they are admitted together so their prompt is prefilled
-        once. Returns the first choice's grammar warnings; raises as :meth:`submit`."""
+        once. `peer` is the client (its fair share of the queue). Returns the first choice's
+        grammar warnings; raises as :meth:`submit`."""
         if self.draining:
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         if self.lost is not None:
             raise self._unavailable()
         call = reqs[0].call_id
+        for req in reqs:
+            req.peer = peer
         self._reserve(call, reqs)
         warnings: list[str] = []
         opened: list[Request] = []
         self._opening += 1
         try:
-            self._check_queue(len(reqs))
+            self._check_queue(len(reqs), peer)
             for req in reqs:
                 if req.constraint is not None:
                     w = await self._open_grammar(req, opened)
                     warnings = warnings or w
-            self._check_queue(len(reqs))
+            self._check_queue(len(reqs), peer)
         except BaseException:
             self._unreserve(call, reqs)
             for req in opened:
@@ -281,7 +284,10 @@ class Engine:
                 self._finish(req, FR.FINISH_REASON_ABORT, error=reason)
             return warnings
         for req in reqs:
-            self.scheduler.enqueue(req)
+            for other in self.scheduler.enqueue(req):  # another client's, over its fair share
+                self._finish(
+                    other, FR.FINISH_REASON_ERROR, status=queue_full(self.config.max_queue)
+                )
         self.metrics.queue(self.scheduler.queue_depth, len(self.scheduler.running))
         self._wake.set()
         return warnings
@@ -330,13 +336,8 @@ class Engine:
         opened.append(req)
         return await self.grammar.open(req.grammar)
 
-    def _check_queue(self, adding: int = 1) -> None:
-        if self.scheduler.queue_depth + adding > self.config.max_queue:
-            raise RpcError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the worker's queue is full ({self.config.max_queue} waiting requests); retry later",
-                reason="QUEUE_FULL",
-            )
+    def _check_queue(self, adding: int, peer: str) -> None:
+        self.scheduler.check_room(peer, adding)
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Stop the live call with this id (every choice of an n > 1 call). False when there

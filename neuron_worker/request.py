@@ -85,6 +85,9 @@ class Request:
     group: str = ""
     index: int = 0
     group_size: int = 1
+    # Who sent it (the gRPC peer: one per client connection); clients share the queue and the
+    # batch slots fairly (`scheduler`).
+    peer: str = ""
 
     grammar: GrammarRequest | None = None  # set when the request is constrained
     state: State = State.WAITING

@@ -66,7 +66,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             req = await self._build(request)
             choices = _choices(req, request.n)
-            await self.engine.submit_group(choices)
+            await self.engine.submit_group(choices, peer=context.peer())
             live = choices
             if debug_payloads():
                 log.debug("generate %s: %d prompt tokens", req.request_id, len(req.prompt))

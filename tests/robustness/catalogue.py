@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from grammar_service.runtime import Limits
 from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import common_pb2, grammar_pb2, worker_pb2
 from tests.robustness.stack import MAX_SEQ_LEN, MODEL
@@ -882,6 +883,21 @@ REQUEST_ID_ACTION_CASES: list[ActionCase] = [
 ]
 
 
+# -- fair shares: one client cannot take every slot ---------------------------------------------
+# A Session stream opens past --max-requests-per-stream: each extra Open is refused on its own,
+# the stream and its requests go on (the known-good session after it opens on another stream).
+STREAM_SHARE = Limits().max_requests_per_stream
+
+FAIR_SHARE_CASES: list[Any] = [
+    GrammarCase(
+        "open-past-the-stream-share",
+        "session",
+        lambda t: [_open(t, f"s{i}", constraint=C(regex="[a-z]+")) for i in range(STREAM_SHARE)],
+        opened=(grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_STREAM_REQUESTS"),
+    ),
+]
+
+
 def all_cases() -> list[Any]:
     from tests.robustness import hostile_grammars as hostile
 
@@ -899,4 +915,5 @@ def all_cases() -> list[Any]:
         *hostile.WORKER_CASES,
         *hostile.GRAMMAR_CASES,
         *hostile.ACTION_CASES,
+        *FAIR_SHARE_CASES,
     ]
