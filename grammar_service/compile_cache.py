@@ -1,22 +1,30 @@
 """A bounded LRU of compiled grammars, keyed by `grammar_id` (constraint + options + tokenizer).
 
-Concurrent requests for the same missing key share one compilation (single flight).
+Concurrent requests for the same missing key share one compilation (single flight). The compile
+runs in a task the cache owns; each caller waits on it without owning it, so a caller that is
+cancelled (its client went away) leaves the others waiting for the same compile. A compile whose
+callers have all left still finishes and is cached: a client that retries after its deadline
+finds it there, and stopping it would save nothing a client cannot also spend by just waiting.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
+import grpc
+
 from grammar_service.compiler import CompiledGrammar
+from maskwire.rpc import RpcError
 
 
 class CompileCache:
     def __init__(self, capacity: int) -> None:
         self.capacity = max(0, capacity)
         self._items: OrderedDict[str, CompiledGrammar] = OrderedDict()
-        self._inflight: dict[str, asyncio.Future[CompiledGrammar]] = {}
+        self._inflight: dict[str, asyncio.Task[CompiledGrammar]] = {}
 
     def __len__(self) -> int:
         return len(self._items)
@@ -38,28 +46,38 @@ class CompileCache:
     async def get_or_compile(
         self, key: str, compile_fn: Callable[[], Awaitable[CompiledGrammar]]
     ) -> tuple[CompiledGrammar, bool]:
-        """Return (grammar, cached). Errors are not cached: a bad constraint is recompiled (and
-        rejected again) each time, which keeps the cache free of junk."""
+        """Return (grammar, cached): `cached` when this caller did not start the compile. Errors
+        are not cached: a bad constraint is recompiled (and rejected again) each time, which
+        keeps the cache free of junk. Every caller gets the compile's result or its error."""
         hit = self.get(key)
         if hit is not None:
             return hit, True
-        pending = self._inflight.get(key)
-        if pending is not None:
-            return await asyncio.shield(pending), True
-        fut: asyncio.Future[CompiledGrammar] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = fut
-        try:
-            item = await compile_fn()
-        except asyncio.CancelledError:
-            fut.cancel()
-            raise
-        except BaseException as e:
-            fut.set_exception(e)
-            fut.exception()  # mark retrieved: waiters re-raise it, nobody else must
-            raise
-        else:
-            fut.set_result(item)
-            self.put(item)
-            return item, False
-        finally:
+        task = self._inflight.get(key)
+        joined = task is not None
+        if task is None:
+            task = asyncio.ensure_future(self._compile(compile_fn))
+            task.add_done_callback(functools.partial(self._finished, key))
+            self._inflight[key] = task
+        # `wait` returns when the task ends; cancelling this caller cancels the wait only.
+        await asyncio.wait((task,))
+        if task.cancelled():  # the compile itself was cancelled: only while the service stops
+            raise RpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                "the compile was cancelled: the grammar service is stopping",
+                reason="COMPILE_CANCELLED",
+            )
+        return task.result(), joined
+
+    async def _compile(
+        self, compile_fn: Callable[[], Awaitable[CompiledGrammar]]
+    ) -> CompiledGrammar:
+        item = await compile_fn()
+        self.put(item)
+        return item
+
+    def _finished(self, key: str, task: asyncio.Task[CompiledGrammar]) -> None:
+        if self._inflight.get(key) is task:
             del self._inflight[key]
+        # A compile all of whose callers left: its error has nobody to go to, and is no bug.
+        if not task.cancelled():
+            task.exception()
