@@ -6,8 +6,9 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
-from grammar_service.compile_cache import CompileCache
+from grammar_service.compile_cache import ENTRY_BASE_BYTES, CompileCache, entry_bytes
 from maskwire.rpc import RpcError
 
 
@@ -15,6 +16,14 @@ class Item:
     def __init__(self, key: str, grammar: str = "start: /a/") -> None:
         self.grammar_id = key
         self.grammar = grammar
+
+
+def sized(key: str, size: int) -> Any:
+    """An item whose `entry_bytes` is `size` (rounded down to the per-byte charge)."""
+    item = Item(key, "")
+    per_byte = entry_bytes(Item("x", "ab")) - entry_bytes(Item("x", "a"))
+    item.grammar = "g" * ((size - ENTRY_BASE_BYTES) // per_byte)
+    return item
 
 
 def returning(item: Any) -> Any:
@@ -169,3 +178,34 @@ async def test_a_compile_cancelled_before_it_ran_frees_its_key() -> None:
         await waiter
     item = Item("k")
     assert await cache.get_or_compile("k", returning(item)) == (item, False)
+
+
+# -- bytes ---------------------------------------------------------------------------------------
+
+
+def test_entries_are_charged_by_grammar_size() -> None:
+    small, big = entry_bytes(Item("a", "x")), entry_bytes(Item("a", "x" * 1000))
+    assert small >= ENTRY_BASE_BYTES and big - small >= 999 * 100
+
+
+async def test_evicts_least_recently_used_to_stay_under_the_byte_bound() -> None:
+    mib = 1 << 20
+    cache = CompileCache(100, capacity_bytes=10 * mib)
+    for key in "abcd":
+        await cache.get_or_compile(key, returning(sized(key, 3 * mib)))
+    assert cache.get("a") is None and [cache.get(k) is not None for k in "bcd"] == [True] * 3
+    assert cache.bytes <= 10 * mib and len(cache) == 3
+    cache.get("b")  # used: "c" is now the oldest
+    await cache.get_or_compile("e", returning(sized("e", 3 * mib)))
+    assert cache.get("c") is None and cache.get("b") is not None
+    assert REGISTRY.get_sample_value("maskwire_grammar_cache_bytes") == cache.bytes
+    assert REGISTRY.get_sample_value("maskwire_grammar_cache_entries") == len(cache) == 3
+
+
+async def test_an_entry_over_the_byte_bound_is_served_not_kept() -> None:
+    mib = 1 << 20
+    cache = CompileCache(100, capacity_bytes=4 * mib)
+    await cache.get_or_compile("a", returning(sized("a", mib)))
+    item, cached = await cache.get_or_compile("huge", returning(sized("huge", 5 * mib)))
+    assert item.grammar_id == "huge" and not cached
+    assert cache.get("huge") is None and cache.get("a") is not None
