@@ -29,7 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "stream per replica)",
     )
     p.add_argument(
-        "--max-schema-bytes", type=int, default=1 << 20, help="largest constraint text (bytes)"
+        "--max-schema-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest constraint: its text and every option string together (bytes)",
     )
     p.add_argument("--compile-timeout-s", type=float, default=10.0, help="deadline per compile")
     p.add_argument(
@@ -42,6 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "JsonOptions.schema_mode",
     )
     p.add_argument("--compile-cache-size", type=int, default=1024, help="compiled grammars kept")
+    p.add_argument(
+        "--compile-cache-bytes",
+        type=int,
+        default=512 << 20,
+        help="estimated memory of the compiled grammars kept (bytes; each is charged 160 KiB + "
+        "200 bytes per byte of its grammar text); least recently used ones go first",
+    )
     p.add_argument(
         "--compile-threads",
         type=int,

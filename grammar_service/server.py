@@ -89,7 +89,7 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
     return Runtime(
         tokenizers=tokenizers,
         compiler=compiler,
-        cache=CompileCache(args.compile_cache_size),
+        cache=CompileCache(args.compile_cache_size, args.compile_cache_bytes),
         backend=LlgBackend(args.mask_threads or None),
         limits=Limits(
             max_requests=args.max_requests,

@@ -898,6 +898,47 @@ FAIR_SHARE_CASES: list[Any] = [
 ]
 
 
+# -- compiles: inputs counted in bytes, shared compiles -----------------------------------------
+# Every string of a constraint counts against --max-schema-bytes, options included; a caller that
+# cancels a compile others share leaves them their answer.
+
+
+COMPILE_INPUT_GRAMMAR_CASES: list[GrammarCase] = [
+    GrammarCase(
+        "compile-item-separator-10mb",
+        "compile",
+        lambda t: _compile(
+            t,
+            constraint=C(
+                json_object=True,
+                json_options=common_pb2.JsonOptions(item_separator="," * (10 * ONE_MIB)),
+            ),
+        ),
+        IA,
+        field="constraint.json_options.item_separator",
+    ),
+    GrammarCase(  # schema and separator under the limit each, over it together
+        "open-schema-plus-key-separator-over-limit",
+        "session",
+        lambda t: [
+            _open(
+                t,
+                rid="sep",
+                constraint=C(
+                    json_schema=json.dumps({"description": "x" * (ONE_MIB // 2)}),
+                    json_options=common_pb2.JsonOptions(key_separator=":" * (ONE_MIB // 2)),
+                ),
+            )
+        ],
+        opened=(IA, "CONSTRAINT_TOO_LARGE"),
+    ),
+]
+
+COMPILE_INPUT_ACTION_CASES: list[ActionCase] = [
+    ActionCase("grammar-cancelled-caller-of-a-shared-compile", "grammar", "shared_compile_cancel"),
+]
+
+
 def all_cases() -> list[Any]:
     from tests.robustness import hostile_grammars as hostile
 
@@ -911,6 +952,8 @@ def all_cases() -> list[Any]:
         *ISSUE18_ACTION_CASES,
         *REQUEST_ID_WORKER_CASES,
         *REQUEST_ID_ACTION_CASES,
+        *COMPILE_INPUT_GRAMMAR_CASES,
+        *COMPILE_INPUT_ACTION_CASES,
         *hostile.HTTP_CASES,
         *hostile.WORKER_CASES,
         *hostile.GRAMMAR_CASES,

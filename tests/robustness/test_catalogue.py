@@ -31,6 +31,7 @@ from tests.robustness.catalogue import (
     schema_body,
 )
 from tests.robustness.stack import Stack
+from tests.support import shared_compile
 
 
 @pytest.fixture(scope="module")
@@ -697,3 +698,18 @@ def cancel_ends_its_own_call(stack: Stack) -> None:
 SCENARIOS.update(
     {f.__name__: f for f in (abort_empty_id, colliding_request_ids, cancel_ends_its_own_call)}
 )
+
+
+# -- compile scenarios: shared compiles --------------------------------------------------------
+
+
+def shared_compile_cancel(stack: Stack) -> None:
+    """Two clients compile one slow constraint; the first cancels; the second gets its compile,
+    its Open, and an unrelated request on its stream answered."""
+    slow = shared_compile.choices(seed=7, n=30_000)
+    shared_compile.cancel_one_caller_of_a_shared_compile(
+        stack.grammar.address, stack.tokenizer, slow
+    )
+
+
+SCENARIOS[shared_compile_cancel.__name__] = shared_compile_cancel
