@@ -2,7 +2,8 @@
 the schema as sent (a listener that counts connections, one that accepts and never answers, a local
 file), and patterns on which a backtracking engine takes exponential time (`(a+)+c|a+b` on 27 `a`s
 then `b`: seconds per match in Python's `re`), which the check matches in linear time while the
-grammar replica's health keeps answering. Patterns RE2 cannot run are refused up front.
+grammar replica's health keeps answering. Patterns RE2 cannot run are refused up front, also
+where the grammar never sees them (under `not`, `if`).
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ WORKER_CASES: list[WorkerCase] = [
         "constraint.json_schema",
     ),
     WorkerCase(
-        "schema-backreference-in-property-names",
-        gen(constraint=_json({"type": "object", "propertyNames": {"pattern": "(a)\\1"}})),
+        "schema-backreference-under-if",
+        gen(constraint=_json({"if": {"pattern": "(a)\\1"}, "then": {"minLength": 2}})),
         IA,
         "UNSUPPORTED_CONSTRAINT",
         "constraint.json_schema",
@@ -97,9 +98,9 @@ GRAMMAR_CASES: list[GrammarCase] = [
         field="constraint.json_schema",
     ),
     GrammarCase(
-        "compile-lookbehind-pattern-property",
+        "compile-lookbehind-pattern-property-under-not",
         "compile",
-        lambda t: _compile(t, constraint=_json({"patternProperties": {"(?<=a)b": {}}})),
+        lambda t: _compile(t, constraint=_json({"not": {"patternProperties": {"(?<=a)b": {}}}})),
         IA,
         field="constraint.json_schema",
     ),
