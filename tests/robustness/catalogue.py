@@ -3,7 +3,7 @@
 Three APIs: the gateway's REST API (`HttpCase`), the worker's `Generate` (`WorkerCase`) and the
 grammar service's `Compile` / `Session` (`GrammarCase`). Cases that need a conversation (a client
 that vanishes mid-stream, a duplicate live request id, a `$ref` to a server that counts hits) are
-`ActionCase`s naming a scenario in `test_catalogue.py`. After every case the test checks that all
+`ActionCase`s naming a scenario in `test_catalogue.py` (or in `hostile_schemas.SCENARIOS`). After every case the test checks that all
 three services are healthy, still answer known-good requests, and hold no leftover state.
 """
 
@@ -941,6 +941,7 @@ COMPILE_INPUT_ACTION_CASES: list[ActionCase] = [
 
 def all_cases() -> list[Any]:
     from tests.robustness import hostile_grammars as hostile
+    from tests.robustness import hostile_schemas
 
     return [
         *HTTP_CASES,
@@ -959,4 +960,8 @@ def all_cases() -> list[Any]:
         *hostile.GRAMMAR_CASES,
         *hostile.ACTION_CASES,
         *FAIR_SHARE_CASES,
+        *hostile_schemas.HTTP_CASES,
+        *hostile_schemas.WORKER_CASES,
+        *hostile_schemas.GRAMMAR_CASES,
+        *hostile_schemas.ACTION_CASES,
     ]

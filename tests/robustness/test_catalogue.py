@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from maskwire.rpc import RpcError, channel_options
 from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.robustness import hostile_grammars as hostile
+from tests.robustness import hostile_schemas
 from tests.robustness.catalogue import (
     ANY,
     ActionCase,
@@ -713,3 +714,5 @@ def shared_compile_cancel(stack: Stack) -> None:
 
 
 SCENARIOS[shared_compile_cancel.__name__] = shared_compile_cancel
+
+SCENARIOS.update(hostile_schemas.SCENARIOS)
