@@ -265,13 +265,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 def _check_request_id(request_id: str, *, empty_ok: bool) -> list[FieldViolation]:
     """A client's request id: a Generate call may leave it empty (the worker assigns one), an
-    Abort must name a call. '/' is refused: the worker names an n > 1 call's choices `ID/i`."""
+    Abort must name a call. '/' is refused: the worker names an n > 1 call's choices `ID/i`.
+    Control characters are refused: ids are written to logs, where a newline forges a line."""
     if not request_id and not empty_ok:
         return [("request_id", "must be the id of a Generate call (it is empty)")]
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         return [("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")]
     if "/" in request_id:
         return [("request_id", "must not contain '/' (the ids of a call's choices use it)")]
+    if not request_id.isprintable():
+        return [("request_id", "must not contain control or other unprintable characters")]
     return []
 
 
