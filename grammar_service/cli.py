@@ -21,7 +21,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-requests", type=int, default=4096, help="live requests, all streams")
     p.add_argument(
-        "--max-schema-bytes", type=int, default=1 << 20, help="largest constraint text (bytes)"
+        "--max-requests-per-stream",
+        type=int,
+        default=1024,
+        help="live requests one Session stream may hold, so one client cannot take every slot "
+        "(keep it at least the workers' --max-batch-size + --max-queue: a worker keeps one "
+        "stream per replica)",
+    )
+    p.add_argument(
+        "--max-schema-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest constraint: its text and every option string together (bytes)",
     )
     p.add_argument("--compile-timeout-s", type=float, default=10.0, help="deadline per compile")
     p.add_argument(
@@ -34,6 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "JsonOptions.schema_mode",
     )
     p.add_argument("--compile-cache-size", type=int, default=1024, help="compiled grammars kept")
+    p.add_argument(
+        "--compile-cache-bytes",
+        type=int,
+        default=512 << 20,
+        help="estimated memory of the compiled grammars kept (bytes; each is charged 160 KiB + "
+        "200 bytes per byte of its grammar text); least recently used ones go first",
+    )
     p.add_argument(
         "--compile-threads",
         type=int,
@@ -142,6 +160,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-message-bytes", type=int, default=64 * 1024 * 1024, help="gRPC message size limit"
     )
+    p.add_argument(
+        "--testing-faults",
+        action="store_true",
+        help="TEST ONLY, never in production: arm the fault hook of $MASKWIRE_TESTING_FAULT "
+        "(grammars containing its markers abort or hang the service or a compile worker); "
+        "without this flag the variable does nothing",
+    )
     g = p.add_argument_group("llguidance parser limits")
     g.add_argument("--max-items-in-row", type=int, default=2000)
     g.add_argument("--initial-lexer-fuel", type=int, default=1_000_000)
@@ -157,6 +182,11 @@ def run(args: argparse.Namespace) -> int:
     from maskwire.logs import setup_logging
 
     setup_logging(args.log_level)
+    if args.max_requests_per_stream < 1:
+        print(
+            "maskwire grammar-service: --max-requests-per-stream must be 1 or more", file=sys.stderr
+        )
+        return 2
     try:
         credentials = server_credentials_from_args(args)
     except TLSConfigError as e:

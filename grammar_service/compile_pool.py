@@ -33,9 +33,9 @@ from grammar_service.compiler import (
     Translation,
     build_template,
     constraint_kind,
-    constraint_size,
     error_field,
     grammar_key,
+    input_bytes,
     retry_relaxed,
     translate,
     verify,
@@ -103,16 +103,21 @@ class Compiler:
             await self.sandbox.wait_ready(timeout_s)
 
     def check_size(self, constraint: common_pb2.Constraint) -> None:
-        size = constraint_size(constraint)
-        if size > self.max_schema_bytes:
-            kind = constraint.WhichOneof("kind") or "constraint"
+        """Refuse a constraint whose strings, text and options together, pass --max-schema-bytes;
+        the violation names its largest field."""
+        sizes = input_bytes(constraint)
+        total = sum(sizes.values())
+        if total > self.max_schema_bytes:
+            field = max(sizes, key=lambda f: sizes[f])
             raise RpcError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"constraint is {size} bytes; this service accepts at most {self.max_schema_bytes}",
+                f"constraint is {total} bytes (its text and options together); this service "
+                f"accepts at most {self.max_schema_bytes} (--max-schema-bytes)",
                 [
                     (
-                        error_field(kind),
-                        f"{size} bytes exceeds the limit of {self.max_schema_bytes}",
+                        field,
+                        f"{sizes[field]} bytes; the constraint may have at most "
+                        f"{self.max_schema_bytes} in all (--max-schema-bytes)",
                     )
                 ],
                 reason="CONSTRAINT_TOO_LARGE",

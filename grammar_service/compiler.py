@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 import llguidance
+from google.protobuf.message import Message
 
 from grammar_service import bounds as shape
 from grammar_service.bounds import ConstraintBounds
@@ -105,19 +106,28 @@ def constraint_kind(constraint: common_pb2.Constraint) -> str:
     return kind
 
 
-def constraint_size(constraint: common_pb2.Constraint) -> int:
-    """Bytes of user-supplied grammar text (what --max-schema-bytes limits)."""
-    kind = constraint.WhichOneof("kind")
-    if kind in ("json_schema", "regex", "lark", "gbnf"):
-        return len(getattr(constraint, kind).encode())
-    if kind == "choice":
-        return sum(len(c.encode()) for c in constraint.choice.choices)
-    if kind == "structural_tags":
-        st = constraint.structural_tags
-        return sum(len(t.begin) + len(t.end) + len(t.json_schema) for t in st.tags) + sum(
-            len(t) for t in st.triggers
-        )
-    return 0
+def input_bytes(constraint: common_pb2.Constraint) -> dict[str, int]:
+    """UTF-8 bytes of every string a constraint carries, by field path: its text and every
+    option (separators included), which --max-schema-bytes limits together. Repeated strings
+    add up under their field (`constraint.choice.choices`); repeated messages are indexed."""
+    out: dict[str, int] = {}
+    _add_input_bytes(constraint, "constraint", out)
+    return out
+
+
+def _add_input_bytes(msg: Message, path: str, out: dict[str, int]) -> None:
+    for fd, value in msg.ListFields():
+        where = f"{path}.{fd.name}"
+        if isinstance(value, Message):
+            _add_input_bytes(value, where, out)
+        elif fd.type == fd.TYPE_MESSAGE:  # repeated
+            for i, sub in enumerate(value):
+                _add_input_bytes(sub, f"{where}[{i}]", out)
+        elif fd.type in (fd.TYPE_STRING, fd.TYPE_BYTES):
+            values = (value,) if isinstance(value, (str, bytes)) else value
+            out[where] = out.get(where, 0) + sum(
+                len(v.encode()) if isinstance(v, str) else len(v) for v in values
+            )
 
 
 def grammar_key(constraint: common_pb2.Constraint, tokenizer: Tokenizer) -> str:
@@ -420,15 +430,24 @@ def _rejected(field: str, detail: str) -> RpcError:
     )
 
 
-# A test hook (never set in production): `MASKWIRE_TESTING_FAULT=WHERE:ACTION:TEXT[;...]`, WHERE
-# `sandbox` (a compile-sandbox child) or `service` (the service process), ACTION `abort` or
-# `hang`: that process aborts or hangs while compiling a grammar that contains TEXT, so the crash
-# and runaway defences can be tested without depending on whichever input breaks llguidance today.
+# A test hook, armed only by the grammar service's test-only `--testing-faults` flag:
+# `MASKWIRE_TESTING_FAULT=WHERE:ACTION:TEXT[;...]`, WHERE `sandbox` (a compile-sandbox child) or
+# `service` (the service process), ACTION `abort` or `hang`: that process aborts or hangs while
+# compiling a grammar that contains TEXT, so the crash and runaway defences can be tested without
+# depending on whichever input breaks llguidance today. The variable alone does nothing: where it
+# happens to be set, a request carrying TEXT still cannot crash a service started without the flag.
 TESTING_FAULT_ENV = "MASKWIRE_TESTING_FAULT"
+_armed_faults: list[str] = []  # the specs of this process, set by `arm_testing_faults`
+
+
+def arm_testing_faults(spec: str) -> None:
+    """Arm the hook in this process with `spec` (the service does at start with
+    `--testing-faults`; a sandbox child with what its parent armed)."""
+    _armed_faults[:] = [s for s in spec.split(";") if s]
 
 
 def testing_fault_point(where: str, grammar: str) -> None:
-    for spec in os.environ.get(TESTING_FAULT_ENV, "").split(";"):
+    for spec in _armed_faults:
         at, action, text = [*spec.split(":", 2), "", ""][:3]
         if at == where and text and text in grammar:
             if action == "hang":

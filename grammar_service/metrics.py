@@ -18,6 +18,14 @@ COMPILE_ERRORS = Counter(
 CACHE_LOOKUPS = Counter(
     "maskwire_grammar_cache_lookups_total", "Compile cache lookups.", ["result"]
 )
+CACHE_BYTES = Gauge(
+    "maskwire_grammar_cache_bytes",
+    "Estimated memory of the compiled grammars in the compile cache (--compile-cache-bytes).",
+)
+CACHE_ENTRIES = Gauge(
+    "maskwire_grammar_cache_entries",
+    "Compiled grammars in the compile cache (--compile-cache-size).",
+)
 STEP_SECONDS = Histogram(
     "maskwire_grammar_step_seconds", "Time to process one Step message.", buckets=_SLOW
 )

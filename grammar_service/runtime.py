@@ -32,6 +32,9 @@ class Limits:
     """Service-wide limits (CLI flags)."""
 
     max_requests: int = 4096
+    # Live requests one Session stream may hold, so one client cannot take every slot. A worker
+    # keeps one stream per replica for all its requests: at least its batch + queue (264).
+    max_requests_per_stream: int = 1024
     max_rows_per_step: int = 4096
     max_drafts_per_row: int = 64
     # Steps with fewer mask rows are answered dense even when the client accepts compact rows.
@@ -123,7 +126,17 @@ class Runtime:
         return item
 
     # -- live request accounting ------------------------------------------------------------
-    def acquire_request(self) -> None:
+    def acquire_request(self, stream_holds: int) -> None:
+        """Take a live-request slot for a stream that holds `stream_holds` already
+        (RESOURCE_EXHAUSTED when that stream has its share, or the service is full)."""
+        share = self.limits.max_requests_per_stream
+        if stream_holds >= share:
+            raise RpcError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this stream already holds {stream_holds} live requests "
+                f"(--max-requests-per-stream {share}); close some, or open more on another stream",
+                reason="TOO_MANY_STREAM_REQUESTS",
+            )
         if self.live_requests >= self.limits.max_requests:
             raise RpcError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 
 from grammar_service import metrics
-from grammar_service.compiler import ParserLimits, verify
+from grammar_service.compiler import ParserLimits, arm_testing_faults, verify
 from maskwire.rpc import RpcError
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class SandboxConfig:
     memory_mb: int = 4096  # --compile-memory-mb: address-space limit of one child
     stack_mb: int = 256  # --compile-stack-mb: stack of the thread that compiles
     large_bytes: int = 64 << 10  # --compile-large-bytes: grammars above this use the large lane
+    testing_faults: str = ""  # the test-only fault hook's specs the children arm (--testing-faults)
 
 
 class SandboxCrashed(Exception):
@@ -85,7 +86,8 @@ def child_main(fd: int) -> None:
     the connection on FD, set its limits, serve jobs on a large-stack thread until EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which stops us
     conn = multiprocessing.connection.Connection(fd)
-    specs, limits, memory_mb, stack_mb = conn.recv()
+    specs, limits, memory_mb, stack_mb, faults = conn.recv()
+    arm_testing_faults(faults)
     if memory_mb > 0:
         cap = memory_mb << 20
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
@@ -144,7 +146,7 @@ class _Child:
             )
             conn = multiprocessing.connection.Connection(os.dup(ours.fileno()))
         try:
-            conn.send((specs, limits, config.memory_mb, config.stack_mb))
+            conn.send((specs, limits, config.memory_mb, config.stack_mb, config.testing_faults))
             if not conn.poll(_START_TIMEOUT_S):
                 raise SandboxUnavailable(f"compile worker did not start in {_START_TIMEOUT_S:g}s")
             kind, detail = conn.recv()

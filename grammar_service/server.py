@@ -14,7 +14,7 @@ from grammar_service.backend import LlgBackend
 from grammar_service.bounds import ConstraintBounds
 from grammar_service.compile_cache import CompileCache
 from grammar_service.compile_pool import Compiler, use_large_thread_stacks
-from grammar_service.compiler import ParserLimits
+from grammar_service.compiler import TESTING_FAULT_ENV, ParserLimits, arm_testing_faults
 from grammar_service.poison import PoisonList
 from grammar_service.runtime import Limits, Runtime
 from grammar_service.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
@@ -56,6 +56,7 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
         max_lexer_states=args.max_lexer_states,
         max_grammar_size=args.max_grammar_size,
     )
+    faults = testing_faults(args)
     sandbox = None
     if args.compile_sandbox:
         sandbox = Sandbox(
@@ -66,6 +67,7 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
                 memory_mb=args.compile_memory_mb,
                 stack_mb=args.compile_stack_mb,
                 large_bytes=args.compile_large_bytes,
+                testing_faults=faults,
             ),
         )
     compiler = Compiler(
@@ -87,10 +89,11 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
     return Runtime(
         tokenizers=tokenizers,
         compiler=compiler,
-        cache=CompileCache(args.compile_cache_size),
+        cache=CompileCache(args.compile_cache_size, args.compile_cache_bytes),
         backend=LlgBackend(args.mask_threads or None),
         limits=Limits(
             max_requests=args.max_requests,
+            max_requests_per_stream=args.max_requests_per_stream,
             max_rows_per_step=args.max_rows_per_step,
             max_drafts_per_row=args.max_drafts_per_row,
             compact_min_rows=args.compact_min_rows,
@@ -98,6 +101,26 @@ def build_runtime(args: argparse.Namespace) -> Runtime:
             max_replay_s=args.max_replay_ms / 1e3,
         ),
     )
+
+
+def testing_faults(args: argparse.Namespace) -> str:
+    """The test-only fault hook's specs, armed in this process (and passed to the sandbox's
+    children) only with `--testing-faults`, and said loudly; the variable alone arms nothing."""
+    spec = os.environ.get(TESTING_FAULT_ENV, "")
+    if not args.testing_faults:
+        if spec:
+            log.warning(
+                "%s is set and ignored: the fault hook needs --testing-faults", TESTING_FAULT_ENV
+            )
+        return ""
+    log.warning(
+        "TEST-ONLY MODE (--testing-faults): compiling a grammar that contains a marker of %s=%r "
+        "aborts or hangs this service or its compile workers. Never run this in production.",
+        TESTING_FAULT_ENV,
+        spec,
+    )
+    arm_testing_faults(spec)
+    return spec
 
 
 def state_dir(args: argparse.Namespace) -> Path | None:

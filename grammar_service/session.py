@@ -123,6 +123,7 @@ class Session:
         self.runtime = runtime
         self.client = client  # who holds the stream (its compiles share the sandbox fairly)
         self.requests: dict[str, Request] = {}
+        self._opening = 0  # Opens holding a live-request slot while they compile or replay
         self.tokenizer: Tokenizer | None = None
         self._buffer: MaskBuffer | None = None
         self._audit = False  # do the next step row by row, timing each request
@@ -186,7 +187,8 @@ class Session:
                 [("open.tokenizer", "differs from the tokenizer of this stream's other requests")],
                 reason="TOKENIZER_MISMATCH",
             )
-        rt.acquire_request()  # fail fast before compiling
+        rt.acquire_request(len(self.requests) + self._opening)  # fail fast before compiling
+        self._opening += 1
         try:
             kind = msg.WhichOneof("grammar")
             if kind == "constraint":
@@ -238,6 +240,8 @@ class Session:
         except BaseException:
             rt.release_requests(1)
             raise
+        finally:
+            self._opening -= 1
         self.requests[rid] = req
         if self.tokenizer is None:
             self.tokenizer = tok

@@ -45,7 +45,7 @@ from neuron_worker.graphs import CompileCounter, Pass
 from neuron_worker.metrics import Metrics
 from neuron_worker.penalties import OccurrenceTable
 from neuron_worker.request import Request, State, TokenLogprob
-from neuron_worker.scheduler import Scheduler
+from neuron_worker.scheduler import Scheduler, queue_full
 from neuron_worker.speculation_gate import SpeculationGate
 from neuron_worker.step_device import (
     DeviceLostError,
@@ -161,7 +161,10 @@ class Engine:
             seq_buckets=config.seq_buckets,
             max_prefill_tokens=config.max_prefill_tokens,
         )
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # by request id (an n > 1 call's choices: `ID/i`)
+        # Live Generate calls by the call's id: its one request, or every choice of an n > 1
+        # call. Call ids and request ids are one namespace (`_reserve`).
+        self.calls: dict[str, list[Request]] = {}
         self.eos_ids = tuple(tokenizer.eos_token_ids)
         self.vocab_size = tokenizer.vocab_size
         self.words = tokenizer.words_per_row
@@ -241,46 +244,76 @@ class Engine:
         """
         return await self.submit_group([req])
 
-    async def submit_group(self, reqs: Sequence[Request]) -> list[str]:
+    async def submit_group(self, reqs: Sequence[Request], peer: str = "") -> list[str]:
         """Queue the choices of one call (n > 1) together, each with its own grammar session:
         all or none are queued, and they are admitted together so their prompt is prefilled
-        once. Returns the first choice's grammar warnings; raises as :meth:`submit`."""
+        once. `peer` is the client (its fair share of the queue). Returns the first choice's
+        grammar warnings; raises as :meth:`submit`."""
         if self.draining:
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         if self.lost is not None:
             raise self._unavailable()
+        call = reqs[0].call_id
         for req in reqs:
-            if req.request_id in self.requests:
-                raise RpcError(
-                    grpc.StatusCode.ALREADY_EXISTS,
-                    f"request_id {req.request_id!r} is already live on this worker",
-                    [("request_id", "must be unique among live requests")],
-                )
-        self._check_queue(len(reqs))
+            req.peer = peer
+        self._reserve(call, reqs)
         warnings: list[str] = []
         opened: list[Request] = []
         self._opening += 1
         try:
+            self._check_queue(len(reqs), peer)
             for req in reqs:
                 if req.constraint is not None:
                     w = await self._open_grammar(req, opened)
                     warnings = warnings or w
-            self._check_queue(len(reqs))
+            self._check_queue(len(reqs), peer)
         except BaseException:
+            self._unreserve(call, reqs)
             for req in opened:
-                self.requests.pop(req.request_id, None)
                 if self.grammar is not None and req.grammar is not None:
                     self.grammar.close(req.grammar)
             raise
         finally:
             self._opening -= 1
             self._wake.set()  # an admission wait may be holding on for this one (failed or not)
+        if any(r.abort_reason is not None or r.finished for r in reqs):
+            # Aborted (or failed by the worker) while its grammars were opening: end every
+            # choice now instead of queueing it.
+            reason = next((r.abort_reason for r in reqs if r.abort_reason), "aborted")
+            for req in reqs:
+                self._finish(req, FR.FINISH_REASON_ABORT, error=reason)
+            return warnings
         for req in reqs:
-            self.scheduler.enqueue(req)
-            self.requests[req.request_id] = req
+            for other in self.scheduler.enqueue(req):  # another client's, over its fair share
+                self._finish(
+                    other, FR.FINISH_REASON_ERROR, status=queue_full(self.config.max_queue)
+                )
         self.metrics.queue(self.scheduler.queue_depth, len(self.scheduler.running))
         self._wake.set()
         return warnings
+
+    def _reserve(self, call: str, reqs: Sequence[Request]) -> None:
+        """Take the call's id and its requests' ids (`ID/i` for n > 1), or raise ALREADY_EXISTS
+        when any of them is a live call's or request's id. Taken before any await, so two
+        calls can never both hold one id."""
+        names = {call, *(r.request_id for r in reqs)}
+        if any(name in self.calls or name in self.requests for name in names):
+            raise RpcError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {call!r} is already live on this worker",
+                [("request_id", "must be unique among live requests")],
+            )
+        self.calls[call] = list(reqs)
+        for req in reqs:
+            self.requests[req.request_id] = req
+
+    def _unreserve(self, call: str, reqs: Sequence[Request]) -> None:
+        members = self.calls.get(call)
+        if members is not None and members[0] is reqs[0]:
+            del self.calls[call]
+        for req in reqs:
+            if self.requests.get(req.request_id) is req:
+                del self.requests[req.request_id]
 
     async def _open_grammar(self, req: Request, opened: list[Request]) -> list[str]:
         if not self.config.structured_outputs or self.grammar is None:
@@ -300,33 +333,27 @@ class Engine:
                 jump_forward=self.config.jump_forward,
             ),
         )
-        self.requests[req.request_id] = req  # reserve the id while the grammar compiles
         opened.append(req)
         return await self.grammar.open(req.grammar)
 
-    def _check_queue(self, adding: int = 1) -> None:
-        if self.scheduler.queue_depth + adding > self.config.max_queue:
-            raise RpcError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the worker's queue is full ({self.config.max_queue} waiting requests); retry later",
-                reason="QUEUE_FULL",
-            )
+    def _check_queue(self, adding: int, peer: str) -> None:
+        self.scheduler.check_room(peer, adding)
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
-        """Stop a request (or every choice of an n > 1 call, by the call's id): at once if it is
-        waiting, at the next step boundary if running."""
-        req = self.requests.get(request_id)
-        members = (
-            [req]
-            if req is not None
-            else [r for r in self.requests.values() if r.group == request_id]
-        )
+        """Stop the live call with this id (every choice of an n > 1 call). False when there
+        is none."""
+        reqs = self.calls.get(request_id)
+        return reqs is not None and self.abort_requests(reqs, reason)
+
+    def abort_requests(self, reqs: Sequence[Request], reason: str = "aborted") -> bool:
+        """Stop these requests: at once if waiting, at the next step boundary if running,
+        before they are queued if still opening their grammars. True if any was live."""
         found = False
-        for r in members:
+        for r in reqs:
             if r.finished:
                 continue
             found = True
-            if r.state is State.WAITING:
+            if r.state is State.WAITING and r in self.scheduler.waiting:
                 self._finish(r, FR.FINISH_REASON_ABORT, error=reason)
             else:
                 r.abort_reason = reason
@@ -350,6 +377,10 @@ class Engine:
             self.grammar.close(req.grammar)
         if self.requests.get(req.request_id) is req:
             del self.requests[req.request_id]
+        call = req.call_id
+        members = self.calls.get(call)
+        if members is not None and req in members and all(r.finished for r in members):
+            del self.calls[call]
         if status is not None:
             req.outputs.put_nowait(status)
         else:

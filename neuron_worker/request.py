@@ -85,6 +85,9 @@ class Request:
     group: str = ""
     index: int = 0
     group_size: int = 1
+    # Who sent it (the gRPC peer: one per client connection); clients share the queue and the
+    # batch slots fairly (`scheduler`).
+    peer: str = ""
 
     grammar: GrammarRequest | None = None  # set when the request is constrained
     state: State = State.WAITING
@@ -109,6 +112,11 @@ class Request:
     _unsent_ids: list[int] = field(default_factory=list)
     _unsent_text: list[str] = field(default_factory=list)
     _unsent_logprobs: list[worker_pb2.TokenLogprob] = field(default_factory=list)
+
+    @property
+    def call_id(self) -> str:
+        """The id of the Generate call this request belongs to (what its messages carry)."""
+        return self.group or self.request_id
 
     @property
     def constrained(self) -> bool:
@@ -153,7 +161,7 @@ class Request:
         if not self._unsent_ids and not self._unsent_text:
             return None
         msg = worker_pb2.GenerateResponse(
-            request_id=self.group or self.request_id,
+            request_id=self.call_id,
             index=self.index,
             token_ids=self._unsent_ids,
             text="".join(self._unsent_text),
@@ -174,7 +182,7 @@ class Request:
             if tail:
                 self._unsent_text.append(tail)
         msg = self.flush_message() or worker_pb2.GenerateResponse(
-            request_id=self.group or self.request_id, index=self.index
+            request_id=self.call_id, index=self.index
         )
         msg.finish_reason = reason  # type: ignore[assignment]
         msg.stop_string = stop_string

@@ -2,13 +2,22 @@
 
 The scheduler never touches the device or the network; the engine asks it which requests run
 next and tells it when they finish.
+
+Clients (gRPC peers: one per connection, e.g. each gateway pod) share the queue and the batch
+slots fairly, so one client cannot take them all. A client alone may fill the whole queue; when
+the queue is full, a client holding less than its fair share (the queue divided among the
+clients with waiting requests, itself included) still gets in, in place of the newest waiting
+call of the client furthest over its share, which is refused as if the queue had been full when
+it came (RESOURCE_EXHAUSTED). A free slot goes to the oldest waiting request of the client with
+the fewest running requests, between equals to the one admitted least recently (first come,
+first served for a single client).
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 
 import grpc
@@ -52,7 +61,7 @@ def bucket_for(buckets: Sequence[int], n: int) -> int:
 
 
 class Scheduler:
-    """Bounded FIFO of waiting requests and the set of running ones, one KV slot each."""
+    """Bounded queue of waiting requests and the set of running ones, one KV slot each."""
 
     def __init__(
         self,
@@ -73,6 +82,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(max_batch - 1, -1, -1))
+        # When each client with live requests last had one admitted (admission count).
+        self._admitted_at: dict[str, int] = {}
+        self._admissions = 0
 
     @property
     def queue_depth(self) -> int:
@@ -81,47 +93,91 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def enqueue(self, req: Request) -> None:
-        """Queue a request; RESOURCE_EXHAUSTED when the queue is full."""
-        if len(self.waiting) >= self.max_queue:
-            raise RpcError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the worker's queue is full ({self.max_queue} waiting requests); retry later",
-                reason="QUEUE_FULL",
-            )
+    def check_room(self, peer: str, adding: int) -> None:
+        """RESOURCE_EXHAUSTED unless `adding` requests of `peer` can be queued now (in place of
+        other clients' waiting calls where `peer` is under its fair share)."""
+        self._make_room(peer, adding, remove=False)
+
+    def enqueue(self, req: Request) -> list[Request]:
+        """Queue a request (RESOURCE_EXHAUSTED when it may not). Returns the waiting requests
+        that left the queue to make room for it: the caller fails them as refused."""
+        shed = self._make_room(req.peer, 1, remove=True)
         req.state = State.WAITING
         self.waiting.append(req)
+        return shed
+
+    def _make_room(self, peer: str, adding: int, *, remove: bool) -> list[Request]:
+        free = self.max_queue - len(self.waiting)
+        if adding <= free:
+            return []
+        held = Counter(r.peer for r in self.waiting)
+        share = self.max_queue // len(held.keys() | {peer})
+        if held[peer] + adding > share:
+            raise queue_full(self.max_queue)
+        shed: list[Request] = []
+        while len(shed) < adding - free:
+            heaviest = max((p for p in held if p != peer), key=held.__getitem__)
+            if held[heaviest] <= share:
+                raise queue_full(self.max_queue)  # not reached: someone is over when it is full
+            newest = next(r for r in reversed(self.waiting) if r.peer == heaviest and r not in shed)
+            call = [
+                r for r in self.waiting if r is newest or (newest.group and r.group == newest.group)
+            ]
+            shed += call
+            held[heaviest] -= len(call)
+        if remove:
+            for r in shed:
+                self.waiting.remove(r)
+        return shed
 
     def admit(self) -> list[Request]:
-        """Move waiting requests into free slots, FIFO, within the prefill token budget."""
+        """Move waiting requests into free slots within the prefill token budget: the oldest
+        request of the client with the fewest running ones first (FIFO for one client)."""
         admitted: list[Request] = []
         longest = 0
         prefill_rows = 0
+        running = Counter(r.peer for r in self.running)
         while self.waiting and self._free_slots:
-            req = self.waiting[0]
+            at = self._next_waiting(running)
+            req = self.waiting[at]
             # The choices of an n > 1 call are admitted together (one prefill row for them all).
             group = [req]
             while (
                 req.group
-                and len(group) < len(self.waiting)
-                and self.waiting[len(group)].group == req.group
+                and at + len(group) < len(self.waiting)
+                and self.waiting[at + len(group)].group == req.group
             ):
-                group.append(self.waiting[len(group)])
+                group.append(self.waiting[at + len(group)])
             if len(group) > len(self._free_slots):
                 break
             longest_next = max(longest, len(req.prompt))
             rows = self.batch_bucket(min(prefill_rows + 1, self.batch_buckets[-1]))
             if admitted and rows * prefill_len(longest_next) > self.max_prefill_tokens:
                 break
+            self._admissions += 1
+            self._admitted_at[req.peer] = self._admissions
             for member in group:
-                self.waiting.popleft()
+                del self.waiting[at]
+                running[member.peer] += 1
                 member.slot = self._free_slots.pop()
                 member.state = State.RUNNING
                 self.running.append(member)
                 admitted.append(member)
             prefill_rows += 1
             longest = longest_next
+        if len(self._admitted_at) > len(running):  # forget clients with nothing running
+            self._admitted_at = {p: n for p, n in self._admitted_at.items() if running[p]}
         return admitted
+
+    def _next_waiting(self, running: Counter[str]) -> int:
+        """Index in the queue of the request admitted next: the oldest one of the client with
+        the fewest running requests (`running`, by peer), between equals of the one admitted
+        least recently."""
+        first: dict[str, int] = {}
+        for i, r in enumerate(self.waiting):
+            first.setdefault(r.peer, i)
+        at = self._admitted_at
+        return first[min(first, key=lambda p: (running[p], at.get(p, 0), first[p]))]
 
     def release(self, req: Request) -> None:
         """A request finished: free its slot (or drop it from the queue)."""
@@ -140,6 +196,14 @@ class Scheduler:
     def seq_bucket(self, n: int) -> int:
         """`kv_len` for a batch whose longest position + 1 is n."""
         return bucket_for(self.seq_buckets, n)
+
+
+def queue_full(max_queue: int) -> RpcError:
+    return RpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"the worker's queue is full ({max_queue} waiting requests); retry later",
+        reason="QUEUE_FULL",
+    )
 
 
 def prefill_len(n: int) -> int:

@@ -61,12 +61,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        req: Request | None = None
+        live: list[Request] = []  # this call's requests, once the engine holds them
         done = False
         try:
             req = await self._build(request)
             choices = _choices(req, request.n)
-            await self.engine.submit_group(choices)
+            await self.engine.submit_group(choices, peer=context.peer())
+            live = choices
             if debug_payloads():
                 log.debug("generate %s: %d prompt tokens", req.request_id, len(req.prompt))
             # The schema's enforcement report rides on the first message.
@@ -91,9 +92,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.engine.metrics.rejected(e.code.name)
             await e.abort(context)
         finally:
-            # Client went away (or the handler failed): free the KV slots and grammar state.
-            if req is not None and not done:
-                self.engine.abort(req.group or req.request_id, "client cancelled the call")
+            # Client went away (or the handler failed): free the KV slots and grammar state of
+            # exactly this call's requests, whatever other calls are named.
+            if live and not done:
+                self.engine.abort_requests(live, "client cancelled the call")
 
     async def _build(self, msg: worker_pb2.GenerateRequest) -> Request:
         """Validate a GenerateRequest into an engine Request (INVALID_ARGUMENT / NOT_FOUND).
@@ -202,8 +204,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Everything but the prompt."""
         bad: list[FieldViolation] = []
         vocab = self.tokenizer.vocab_size
-        if len(msg.request_id) > MAX_REQUEST_ID_CHARS:
-            bad.append(("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters"))
+        bad += _check_request_id(msg.request_id, empty_ok=True)
         s = msg.sampling
         if not (0.0 <= s.temperature <= 2.0) or math.isnan(s.temperature):
             bad.append(("sampling.temperature", "must be in [0, 2]"))
@@ -235,6 +236,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Abort(
         self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.AbortResponse:
+        bad = _check_request_id(request.request_id, empty_ok=False)
+        if bad:
+            await RpcError(grpc.StatusCode.INVALID_ARGUMENT, "invalid AbortRequest", bad).abort(
+                context
+            )
         return worker_pb2.AbortResponse(found=self.engine.abort(request.request_id, "aborted"))
 
     async def GetModelInfo(
@@ -255,6 +261,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             tokenizer=tok.fingerprint.to_proto(),
             max_batch_size=self.engine.config.max_batch,
         )
+
+
+def _check_request_id(request_id: str, *, empty_ok: bool) -> list[FieldViolation]:
+    """A client's request id: a Generate call may leave it empty (the worker assigns one), an
+    Abort must name a call. '/' is refused: the worker names an n > 1 call's choices `ID/i`.
+    Control characters are refused: ids are written to logs, where a newline forges a line."""
+    if not request_id and not empty_ok:
+        return [("request_id", "must be the id of a Generate call (it is empty)")]
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        return [("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")]
+    if "/" in request_id:
+        return [("request_id", "must not contain '/' (the ids of a call's choices use it)")]
+    if not request_id.isprintable():
+        return [("request_id", "must not contain control or other unprintable characters")]
+    return []
 
 
 def _in_range(value: float, low: float, high: float) -> bool:

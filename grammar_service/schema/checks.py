@@ -5,6 +5,11 @@
 * the run-time keywords the layer registered, by their location in the original schema, and how
   an output location maps to schema locations that certainly apply there.
 
+Every validator resolves references through `guard.REGISTRY` (nothing outside the schema as sent,
+never fetched) and matches patterns with RE2 (`patterns`), also where jsonschema's own keywords
+would use Python's backtracking `re` (`additionalProperties`, `unevaluatedProperties`, `format:
+regex`); `guard.check` refuses, before any of it runs, a schema it could not run that way.
+
 "Certainly applies" follows `properties`, `patternProperties`, `additionalProperties`, `items`,
 `prefixItems`, local `$ref`s and `allOf`, and an `anyOf`/`oneOf` branch when it is the only one
 that admits the value's type. A keyword under another applicator (a branch among several, `not`,
@@ -13,17 +18,17 @@ that admits the value's type. A keyword under another applicator (a branch among
 
 from __future__ import annotations
 
-import functools
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
-import regex
+import referencing.jsonschema
 from jsonschema.exceptions import ValidationError
 from jsonschema.protocols import Validator
 
+from grammar_service.schema import guard
 from grammar_service.schema.keywords import canon, child, kinds_of, resolve, subschemas
+from grammar_service.schema.patterns import is_regex, search
 
 # Child-location lookups remembered per schema (keys are output strings: bounded).
 _MEMO_LIMIT = 4096
@@ -65,7 +70,7 @@ def first_error(validator: Validator, value: Any) -> str | None:
     """The first violation's message, or None when `value` is valid."""
     try:
         err = next(iter(validator.iter_errors(value)), None)
-    except Exception as e:  # an unresolvable reference, a regex Python cannot compile, ...
+    except Exception as e:  # e.g. a reference relative to an `$id` a location is checked without
         return f"cannot validate: {e}"
     if err is None:
         return None
@@ -74,10 +79,17 @@ def first_error(validator: Validator, value: Any) -> str | None:
 
 
 class OutputChecks:
-    def __init__(self, schema: Any, runtime: dict[str, frozenset[str]]) -> None:
-        cls = validator_class(schema)
+    def __init__(
+        self,
+        schema: Any,
+        runtime: dict[str, frozenset[str]],
+        field: str = "constraint.json_schema",
+    ) -> None:
+        """`RpcError(INVALID_ARGUMENT)` on `field` when the check could not run `schema`
+        safely (`guard.check`)."""
+        guard.check(schema, field)
         self.schema = schema
-        self.validator: Validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+        self.validator: Validator = new_validator(schema)
         self.runtime = runtime
         # Tier 1 (a scanner follows the output) only when some keyword is checked at run time;
         # otherwise the finished output is validated and nothing else.
@@ -287,29 +299,9 @@ def _admits(branch: Any, kind: str, root: Any) -> bool:
     return kinds is None or kind in kinds
 
 
-# ------------------------------------------------------------------ patterns
-@functools.lru_cache(maxsize=1024)
-def _compiled(pattern: str) -> Any:
-    """`re`, else the `regex` package (Unicode properties such as `\\p{Letter}`), else None."""
-    try:
-        return re.compile(pattern)
-    except re.error:
-        pass
-    try:
-        return regex.compile(pattern)
-    except regex.error:
-        return None
-
-
-def search(pattern: str, text: str) -> bool | None:
-    """Whether `pattern` matches somewhere in `text`; None when neither engine compiles it."""
-    compiled = _compiled(pattern)
-    return None if compiled is None else compiled.search(text) is not None
-
-
+# ------------------------------------------------------------------ jsonschema, made safe
 def _pattern(validator: Validator, pattern: str, instance: Any, schema: Any) -> Any:
-    # A pattern neither engine compiles is left to the grammar, which enforces it as written.
-    if validator.is_type(instance, "string") and search(pattern, instance) is False:
+    if validator.is_type(instance, "string") and not search(pattern, instance):
         yield ValidationError(f"{instance!r} does not match {pattern!r}")
 
 
@@ -322,18 +314,121 @@ def _pattern_properties(validator: Validator, patterns: Any, instance: Any, sche
                 yield from validator.descend(value, sub, path=key, schema_path=pattern)
 
 
+def _matches_a_pattern(schema: Any, key: str) -> bool:
+    patterns = schema.get("patternProperties")
+    return isinstance(patterns, dict) and any(search(p, key) for p in patterns)
+
+
+def _additional_properties(validator: Validator, extra: Any, instance: Any, schema: Any) -> Any:
+    """jsonschema's `additionalProperties`, with its patternProperties matched by RE2."""
+    if not validator.is_type(instance, "object"):
+        return
+    listed = schema.get("properties", {})
+    extras = [k for k in instance if k not in listed and not _matches_a_pattern(schema, k)]
+    if validator.is_type(extra, "object"):
+        for key in extras:
+            yield from validator.descend(instance[key], extra, path=key)
+    elif not extra and extras:
+        names = ", ".join(repr(k) for k in sorted(extras))
+        yield ValidationError(f"Additional properties are not allowed ({names} unexpected)")
+
+
+def _valid(validator: Validator, instance: Any, schema: Any) -> bool:
+    return next(validator.descend(instance, schema), None) is None
+
+
+def _evaluated_keys(validator: Any, instance: dict[str, Any], schema: Any) -> set[str]:
+    """The members of `instance` that `schema` evaluates successfully, found as jsonschema's
+    draft 2020-12 `unevaluatedProperties` finds them, with patterns matched by RE2."""
+    if not isinstance(schema, dict):
+        return set()
+    found: set[str] = set()
+    targets = [
+        validator._resolver.lookup(r)
+        for r in (schema.get("$ref"), schema.get("$dynamicRef"))
+        if isinstance(r, str)
+    ]
+    if "$recursiveRef" in schema:
+        targets.append(referencing.jsonschema.lookup_recursive_ref(validator._resolver))
+    for got in targets:
+        inner = validator.evolve(schema=got.contents, _resolver=got.resolver)
+        found |= _evaluated_keys(inner, instance, got.contents)
+    props = schema.get("properties")
+    if isinstance(props, dict):
+        found |= props.keys() & instance.keys()
+    for keyword in ("additionalProperties", "unevaluatedProperties"):
+        if keyword in schema:
+            found |= {k for k, v in instance.items() if _valid(validator, v, schema[keyword])}
+    found |= {k for k in instance if _matches_a_pattern(schema, k)}
+    dependent = schema.get("dependentSchemas")
+    if isinstance(dependent, dict):
+        for name, sub in dependent.items():
+            if name in instance:
+                found |= _evaluated_keys(validator, instance, sub)
+    for keyword in ("allOf", "oneOf", "anyOf"):
+        for sub in schema.get(keyword) or ():
+            if _valid(validator, instance, sub):
+                found |= _evaluated_keys(validator, instance, sub)
+    if "if" in schema:
+        if validator.evolve(schema=schema["if"]).is_valid(instance):
+            found |= _evaluated_keys(validator, instance, schema["if"])
+            found |= _evaluated_keys(validator, instance, schema.get("then"))
+        else:
+            found |= _evaluated_keys(validator, instance, schema.get("else"))
+    return found
+
+
+def _unevaluated_properties(validator: Validator, extra: Any, instance: Any, schema: Any) -> Any:
+    """jsonschema's `unevaluatedProperties`, with patternProperties matched by RE2."""
+    if not validator.is_type(instance, "object"):
+        return
+    evaluated = _evaluated_keys(validator, instance, schema)
+    bad = [k for k in instance if k not in evaluated and not _valid(validator, instance[k], extra)]
+    if bad and extra is False:
+        names = ", ".join(repr(k) for k in sorted(bad))
+        yield ValidationError(f"Unevaluated properties are not allowed ({names} unexpected)")
+    elif bad:
+        names = ", ".join(repr(k) for k in bad)
+        yield ValidationError(f"Unevaluated properties are not valid ({names} invalid)")
+
+
+_SAFE_KEYWORDS = {
+    "pattern": _pattern,
+    "patternProperties": _pattern_properties,
+    "additionalProperties": _additional_properties,
+    "unevaluatedProperties": _unevaluated_properties,
+}
+
+
+def _format_checker(base: jsonschema.FormatChecker) -> jsonschema.FormatChecker:
+    """`base` with `regex` checked by RE2: compiling an output with Python's `re` can take
+    seconds (case-folded ranges), RE2 compiles in time linear in the text."""
+    checker = jsonschema.FormatChecker(formats=())
+    checker.checkers = dict(base.checkers)
+    if "regex" in checker.checkers:
+        checker.checks("regex")(lambda value: not isinstance(value, str) or is_regex(value))
+    return checker
+
+
 _CLASSES: dict[type, Any] = {}
 
 
 def validator_class(schema: Any) -> Any:
     """The jsonschema validator class for `schema`'s draft, with format checking and patterns
-    that also understand what Python's `re` does not (through the `regex` package)."""
+    matched by RE2; validate with `new_validator` (its registry never retrieves)."""
     base = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     cls = _CLASSES.get(base)
     if cls is None:
-        cls = jsonschema.validators.extend(
-            base, {"pattern": _pattern, "patternProperties": _pattern_properties}
-        )
-        cls.FORMAT_CHECKER = base.FORMAT_CHECKER
+        own = {k: f for k, f in _SAFE_KEYWORDS.items() if k in base.VALIDATORS}
+        cls = jsonschema.validators.extend(base, own)
+        cls.FORMAT_CHECKER = _format_checker(base.FORMAT_CHECKER)
         _CLASSES[base] = cls
     return cls
+
+
+def new_validator(schema: Any) -> Validator:
+    """A validator of `schema` as the output check uses it: its draft, format checking on,
+    patterns by RE2, references only inside the schema and the bundled metaschemas."""
+    cls = validator_class(schema)
+    validator: Validator = cls(schema, format_checker=cls.FORMAT_CHECKER, registry=guard.REGISTRY)
+    return validator

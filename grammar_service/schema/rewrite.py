@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 from collections.abc import Callable
 from typing import Any
 
 from grammar_service.schema.keywords import ANNOTATIONS, KINDS, canon, kinds_of, value_type
+from grammar_service.schema.patterns import PatternError, search
 
 Resolver = Callable[[Any], Any]
 
@@ -314,10 +314,9 @@ def property_names(node: dict[str, Any], names: Any) -> dict[str, Any] | None:
     if pattern is None:
         return None
     try:
-        matcher = re.compile(pattern)
-    except re.error:
-        return None
-    out = {k: (v if matcher.search(k) else False) for k, v in props.items()}
+        out = {k: (v if search(pattern, k) else False) for k, v in props.items()}
+    except PatternError:
+        return None  # relaxed: the output check then refuses the schema (`guard`)
     return {"properties": out, "patternProperties": {pattern: {}}, "additionalProperties": False}
 
 

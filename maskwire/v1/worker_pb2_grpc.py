@@ -60,14 +60,16 @@ class WorkerServicer:
         """Streams the generated tokens of one request. Errors: INVALID_ARGUMENT (bad constraint or
         parameters, with `google.rpc.BadRequest`), NOT_FOUND (unknown model), FAILED_PRECONDITION
         (constraint on a worker without structured outputs), RESOURCE_EXHAUSTED (queue full),
-        UNAVAILABLE (no grammar service), DEADLINE_EXCEEDED. Cancelling the call aborts the request.
+        UNAVAILABLE (no grammar service), DEADLINE_EXCEEDED, ALREADY_EXISTS (`request_id` live).
+        Cancelling the call aborts every choice of this call, and nothing else.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Stops a running request; its stream ends with finish_reason ABORT.
+        """Stops a live call (every choice of an n > 1 call); its stream ends with finish_reason ABORT.
+        INVALID_ARGUMENT for an empty `request_id` or one no Generate call could have.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

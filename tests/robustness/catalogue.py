@@ -3,7 +3,7 @@
 Three APIs: the gateway's REST API (`HttpCase`), the worker's `Generate` (`WorkerCase`) and the
 grammar service's `Compile` / `Session` (`GrammarCase`). Cases that need a conversation (a client
 that vanishes mid-stream, a duplicate live request id, a `$ref` to a server that counts hits) are
-`ActionCase`s naming a scenario in `test_catalogue.py`. After every case the test checks that all
+`ActionCase`s naming a scenario in `test_catalogue.py` (or in `hostile_schemas.SCENARIOS`). After every case the test checks that all
 three services are healthy, still answer known-good requests, and hold no leftover state.
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from grammar_service.runtime import Limits
 from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import common_pb2, grammar_pb2, worker_pb2
 from tests.robustness.stack import MAX_SEQ_LEN, MODEL
@@ -862,9 +863,85 @@ ISSUE18_ACTION_CASES: list[ActionCase] = [
     ActionCase("worker-reflection-garbage", "worker", "worker_reflection_garbage"),
 ]
 
+# Request ids: one namespace for call ids and the `ID/i` ids of an n > 1 call's choices; Abort
+# and cancellation stop exactly the caller's own call.
+REQUEST_ID_WORKER_CASES: list[WorkerCase] = [
+    WorkerCase(
+        "request-id-with-slash",
+        worker_pb2.GenerateRequest(
+            request_id="x/0", text="Hi", sampling=worker_pb2.SamplingParams(max_tokens=2)
+        ),
+        IA,
+        field="request_id",
+    ),
+]
+
+REQUEST_ID_ACTION_CASES: list[ActionCase] = [
+    ActionCase("worker-abort-empty-id-stops-nothing", "worker", "abort_empty_id"),
+    ActionCase("worker-call-ids-collide-across-n", "worker", "colliding_request_ids"),
+    ActionCase("worker-cancel-ends-exactly-its-own-call", "worker", "cancel_ends_its_own_call"),
+]
+
+
+# -- fair shares: one client cannot take every slot ---------------------------------------------
+# A Session stream opens past --max-requests-per-stream: each extra Open is refused on its own,
+# the stream and its requests go on (the known-good session after it opens on another stream).
+STREAM_SHARE = Limits().max_requests_per_stream
+
+FAIR_SHARE_CASES: list[Any] = [
+    GrammarCase(
+        "open-past-the-stream-share",
+        "session",
+        lambda t: [_open(t, f"s{i}", constraint=C(regex="[a-z]+")) for i in range(STREAM_SHARE)],
+        opened=(grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_STREAM_REQUESTS"),
+    ),
+]
+
+
+# -- compiles: inputs counted in bytes, shared compiles -----------------------------------------
+# Every string of a constraint counts against --max-schema-bytes, options included; a caller that
+# cancels a compile others share leaves them their answer.
+
+
+COMPILE_INPUT_GRAMMAR_CASES: list[GrammarCase] = [
+    GrammarCase(
+        "compile-item-separator-10mb",
+        "compile",
+        lambda t: _compile(
+            t,
+            constraint=C(
+                json_object=True,
+                json_options=common_pb2.JsonOptions(item_separator="," * (10 * ONE_MIB)),
+            ),
+        ),
+        IA,
+        field="constraint.json_options.item_separator",
+    ),
+    GrammarCase(  # schema and separator under the limit each, over it together
+        "open-schema-plus-key-separator-over-limit",
+        "session",
+        lambda t: [
+            _open(
+                t,
+                rid="sep",
+                constraint=C(
+                    json_schema=json.dumps({"description": "x" * (ONE_MIB // 2)}),
+                    json_options=common_pb2.JsonOptions(key_separator=":" * (ONE_MIB // 2)),
+                ),
+            )
+        ],
+        opened=(IA, "CONSTRAINT_TOO_LARGE"),
+    ),
+]
+
+COMPILE_INPUT_ACTION_CASES: list[ActionCase] = [
+    ActionCase("grammar-cancelled-caller-of-a-shared-compile", "grammar", "shared_compile_cancel"),
+]
+
 
 def all_cases() -> list[Any]:
     from tests.robustness import hostile_grammars as hostile
+    from tests.robustness import hostile_schemas
 
     return [
         *HTTP_CASES,
@@ -874,8 +951,17 @@ def all_cases() -> list[Any]:
         *ISSUE18_HTTP_CASES,
         *ISSUE18_WORKER_CASES,
         *ISSUE18_ACTION_CASES,
+        *REQUEST_ID_WORKER_CASES,
+        *REQUEST_ID_ACTION_CASES,
+        *COMPILE_INPUT_GRAMMAR_CASES,
+        *COMPILE_INPUT_ACTION_CASES,
         *hostile.HTTP_CASES,
         *hostile.WORKER_CASES,
         *hostile.GRAMMAR_CASES,
         *hostile.ACTION_CASES,
+        *FAIR_SHARE_CASES,
+        *hostile_schemas.HTTP_CASES,
+        *hostile_schemas.WORKER_CASES,
+        *hostile_schemas.GRAMMAR_CASES,
+        *hostile_schemas.ACTION_CASES,
     ]

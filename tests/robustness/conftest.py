@@ -15,6 +15,7 @@ def stack() -> Iterator[Stack]:
     # The grammar service's compile workers abort or hang on the hostile cases' markers.
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MASKWIRE_TESTING_FAULT", hostile.FAULTS)
-        with start_stack(grammar_args=("--compile-timeout-s", str(hostile.COMPILE_TIMEOUT_S))) as s:
+        grammar_args = ("--testing-faults", "--compile-timeout-s", str(hostile.COMPILE_TIMEOUT_S))
+        with start_stack(grammar_args=grammar_args) as s:
             s.assert_still_serving()  # warm every path once
             yield s

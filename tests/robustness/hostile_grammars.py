@@ -32,7 +32,7 @@ from tests.robustness.catalogue import (
     schema_body,
 )
 
-# The catalogue's grammar service runs with MASKWIRE_TESTING_FAULT set to these.
+# The catalogue's grammar service runs with --testing-faults and MASKWIRE_TESTING_FAULT set to these.
 CRASH_MARKER = "catalogue-compile-worker-abort"
 HANG_MARKER = "catalogue-compile-worker-hang"
 FAULTS = f"sandbox:abort:{CRASH_MARKER};sandbox:hang:{HANG_MARKER}"

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from maskwire.rpc import RpcError, channel_options
 from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.robustness import hostile_grammars as hostile
+from tests.robustness import hostile_schemas
 from tests.robustness.catalogue import (
     ANY,
     ActionCase,
@@ -31,6 +32,7 @@ from tests.robustness.catalogue import (
     schema_body,
 )
 from tests.robustness.stack import Stack
+from tests.support import shared_compile
 
 
 @pytest.fixture(scope="module")
@@ -584,3 +586,133 @@ SCENARIOS.update(
         )
     }
 )
+
+
+# -- request ids: Abort and cancellation stop exactly the caller's own call --------------------
+
+# One connection per client: channels of one process share a connection unless told not to.
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+
+
+def _count(max_tokens: int) -> worker_pb2.SamplingParams:
+    return worker_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def _start(
+    stub: worker_pb2_grpc.WorkerStub, request_id: str, n: int, max_tokens: int
+) -> tuple[Iterator[worker_pb2.GenerateResponse], list[worker_pb2.GenerateResponse]]:
+    """Start a call and read its first message (it is live from then on)."""
+    req = worker_pb2.GenerateRequest(
+        request_id=request_id, n=n, text="Count:", sampling=_count(max_tokens)
+    )
+    it = iter(stub.Generate(req, timeout=120))
+    return it, [next(it)]
+
+
+def _ran_to_length(msgs: list[worker_pb2.GenerateResponse], n: int, max_tokens: int) -> None:
+    finals = [m for m in msgs if m.finish_reason]
+    assert sorted(m.index for m in finals) == list(range(n)), finals
+    assert {m.finish_reason for m in finals} == {worker_pb2.FINISH_REASON_LENGTH}, finals
+    assert sum(len(m.token_ids) for m in msgs) == n * max_tokens
+
+
+def _until(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
+        time.sleep(0.05)
+
+
+def abort_empty_id(stack: Stack) -> None:
+    """Abort with an empty id, or one no call can have, is INVALID_ARGUMENT and stops nothing:
+    a named request and one whose id the worker assigned both run to their end."""
+    with grpc.insecure_channel(stack.worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        live = [_start(stub, rid, 1, 30) for rid in ("busy", "")]
+        for rid in ("", "busy/0"):
+            _expect_rpc_error(
+                lambda rid=rid: stub.Abort(worker_pb2.AbortRequest(request_id=rid), timeout=10),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                field="request_id",
+            )
+        for it, msgs in live:
+            msgs += list(it)
+            _ran_to_length(msgs, 1, 30)
+
+
+def colliding_request_ids(stack: Stack) -> None:
+    """A call whose id is live is refused (ALREADY_EXISTS) whatever the n of either, and the
+    live calls are not disturbed."""
+    with grpc.insecure_channel(stack.worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        live = {rid: (_start(stub, rid, n, 30), n) for rid, n in (("pair", 2), ("solo", 1))}
+        for rid, n in (("pair", 1), ("pair", 2), ("pair", 3), ("solo", 2), ("solo", 1)):
+            req = worker_pb2.GenerateRequest(request_id=rid, n=n, text="Hi", sampling=_count(2))
+            _expect_rpc_error(
+                lambda req=req: list(stub.Generate(req, timeout=60)),
+                grpc.StatusCode.ALREADY_EXISTS,
+                field="request_id",
+            )
+        for (it, msgs), n in live.values():
+            msgs += list(it)
+            _ran_to_length(msgs, n, 30)
+
+
+def cancel_ends_its_own_call(stack: Stack) -> None:
+    """Client A's n = 2 call and client B's call run together (B's try to reuse A's id was
+    refused); A cancels: both of A's slots are free at once while B's request runs to its end."""
+
+    def running() -> float:
+        return stack.metric(stack.worker_metrics, "maskwire_worker_running_requests")
+
+    address = stack.worker.address
+    with (
+        grpc.insecure_channel(address, options=OWN_CONNECTION) as ch_a,
+        grpc.insecure_channel(address, options=OWN_CONNECTION) as ch_b,
+    ):
+        a, b = worker_pb2_grpc.WorkerStub(ch_a), worker_pb2_grpc.WorkerStub(ch_b)
+        call_a = a.Generate(
+            worker_pb2.GenerateRequest(
+                request_id="shared", n=2, text="Count:", sampling=_count(120)
+            ),
+            timeout=120,
+        )
+        next(iter(call_a))
+        _expect_rpc_error(
+            lambda: list(
+                b.Generate(
+                    worker_pb2.GenerateRequest(request_id="shared", text="Hi", sampling=_count(2)),
+                    timeout=60,
+                )
+            ),
+            grpc.StatusCode.ALREADY_EXISTS,
+            field="request_id",
+        )
+        it_b, msgs_b = _start(b, "other", 1, 120)
+        _until(lambda: running() == 3, "A's two choices and B's request running")
+        call_a.cancel()
+        _until(lambda: running() == 1, "A's slots freed")
+        msgs_b += list(it_b)
+    _ran_to_length(msgs_b, 1, 120)
+
+
+SCENARIOS.update(
+    {f.__name__: f for f in (abort_empty_id, colliding_request_ids, cancel_ends_its_own_call)}
+)
+
+
+# -- compile scenarios: shared compiles --------------------------------------------------------
+
+
+def shared_compile_cancel(stack: Stack) -> None:
+    """Two clients compile one slow constraint; the first cancels; the second gets its compile,
+    its Open, and an unrelated request on its stream answered."""
+    slow = shared_compile.choices(seed=7, n=30_000)
+    shared_compile.cancel_one_caller_of_a_shared_compile(
+        stack.grammar.address, stack.tokenizer, slow
+    )
+
+
+SCENARIOS[shared_compile_cancel.__name__] = shared_compile_cancel
+
+SCENARIOS.update(hostile_schemas.SCENARIOS)

@@ -1,10 +1,11 @@
 """Query of death: a constraint that crashes every grammar replica it reaches.
 
-Three real replicas run with the test-only fault hook (`MASKWIRE_TESTING_FAULT=service:abort:MARKER`:
-the service process aborts while building a matcher for a grammar that contains MARKER, as a
-native crash the sandbox did not foresee would). The worker must stop the crash at the second
-replica, fail that request with `CONSTRAINT_CRASHED`, finish everyone else's requests, keep
-serving, and never send the constraint again; a restarted replica refuses it by itself.
+Three real replicas run with the test-only fault hook (`--testing-faults` and
+`MASKWIRE_TESTING_FAULT=service:abort:MARKER`: the service process aborts while building a
+matcher for a grammar that contains MARKER, as a native crash the sandbox did not foresee would).
+The worker must stop the crash at the second replica, fail that request with
+`CONSTRAINT_CRASHED`, finish everyone else's requests, keep serving, and never send the
+constraint again; a restarted replica (without the hook) refuses it by itself.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ def replicas(state_root: Path) -> Iterator[list[ServiceProcess]]:
         procs = []
         try:
             for i in range(3):
-                args = ["--tokenizer", "default", "--state-dir", str(state_root / f"r{i}")]
+                args = [
+                    *("--tokenizer", "default", "--testing-faults"),
+                    *("--state-dir", str(state_root / f"r{i}")),
+                ]
                 p = ServiceProcess("grammar-service", args, free_port())
                 procs.append(p)
             for p in procs:

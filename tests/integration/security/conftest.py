@@ -16,6 +16,7 @@ from tests.support.processes import ServiceProcess, running
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "sk-maskwire-security-test-key-1"
+OTHER_API_KEY = "sk-maskwire-security-test-key-2"
 
 
 @dataclass
@@ -55,7 +56,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     pki = make_pki(tmp_path_factory.mktemp("pki"))
     ca = pki.ca.cert
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
-    keys.write_text(f"# test keys\n{API_KEY}\n")
+    keys.write_text(f"# test keys\n{API_KEY}\n{OTHER_API_KEY}\n")
     with running(
         "grammar-service",
         ["--tokenizer", "default", *_server_flags(pki.grammar.cert, pki.grammar.key, ca)],

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from grammar_service.compiler import COMPLETE, CompiledGrammar, ParserLimits, compile_constraint
-from grammar_service.schema.checks import validator_class
+from grammar_service.schema.checks import new_validator
 from grammar_service.schema.monitor import Monitor, token_classes
 from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import common_pb2
@@ -27,8 +27,7 @@ def compile_schema(
 
 def valid(schema: Any, value: Any) -> bool:
     """The rule's validator: jsonschema for the schema's draft, format checking on."""
-    cls = validator_class(schema)
-    return bool(cls(schema, format_checker=cls.FORMAT_CHECKER).is_valid(value))
+    return bool(new_validator(schema).is_valid(value))
 
 
 class Follower:

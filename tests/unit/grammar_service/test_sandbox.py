@@ -1,7 +1,7 @@
 """The compile sandbox with real child processes: verdicts, crashes, deadlines and its two lanes.
 
-Crashes and hangs come from the test-only fault hook (`MASKWIRE_TESTING_FAULT`), which the
-children inherit when they are spawned.
+Crashes and hangs come from the test-only fault hook, which the sandbox arms in its children with
+the specs of `SandboxConfig.testing_faults` (the service's `--testing-faults`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ def ok_grammar(tag: str = "x") -> str:
 
 
 @pytest.fixture
-async def sandbox(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Sandbox]:
-    monkeypatch.setenv("MASKWIRE_TESTING_FAULT", f"sandbox:abort:{CRASH}")
-    box = Sandbox(["default"], ParserLimits(), SandboxConfig(workers=2, large_bytes=4096))
+async def sandbox() -> AsyncIterator[Sandbox]:
+    config = SandboxConfig(workers=2, large_bytes=4096, testing_faults=f"sandbox:abort:{CRASH}")
+    box = Sandbox(["default"], ParserLimits(), config)
     box.start()
     # Both children up (each loads the tokenizer once).
     await box.verify(ok_grammar(), 0, FIELD, deadline=time.monotonic() + 120)
@@ -76,12 +76,11 @@ async def test_a_crash_kills_a_child_which_is_replaced(sandbox: Sandbox) -> None
         await asyncio.sleep(0.05)
 
 
-async def test_a_runaway_compile_is_killed_at_its_deadline(
-    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_runaway_compile_is_killed_at_its_deadline(sandbox: Sandbox) -> None:
     # A sandbox whose children hang on HANG (the fixture's children abort on CRASH instead).
-    monkeypatch.setenv("MASKWIRE_TESTING_FAULT", f"sandbox:hang:{HANG}")
-    box = Sandbox(["default"], ParserLimits(), SandboxConfig(workers=2))
+    box = Sandbox(
+        ["default"], ParserLimits(), SandboxConfig(workers=2, testing_faults=f"sandbox:hang:{HANG}")
+    )
     box.start()
     try:
         await box.verify(ok_grammar(), 0, FIELD, deadline=deadline(120))
@@ -97,10 +96,10 @@ async def test_a_runaway_compile_is_killed_at_its_deadline(
 
 
 @pytest.fixture
-async def hanging(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Sandbox]:
+async def hanging() -> AsyncIterator[Sandbox]:
     """Two children that hang on HANG; grammars over 1 KiB are large."""
-    monkeypatch.setenv("MASKWIRE_TESTING_FAULT", f"sandbox:hang:{HANG}")
-    box = Sandbox(["default"], ParserLimits(), SandboxConfig(workers=2, large_bytes=1024))
+    config = SandboxConfig(workers=2, large_bytes=1024, testing_faults=f"sandbox:hang:{HANG}")
+    box = Sandbox(["default"], ParserLimits(), config)
     box.start()
     await box.verify(ok_grammar(), 0, FIELD, deadline=deadline(120))
     while box.ready_workers < 2:

@@ -62,6 +62,25 @@ async def test_open_step_close_and_accounting(tok: Tokenizer) -> None:
     assert s.close_all() == 1 and rt.live_requests == 0
 
 
+async def test_one_stream_holds_at_most_its_share(tok: Tokenizer) -> None:
+    rt = runtime(tok)
+    rt.limits = Limits(max_requests=8, max_requests_per_stream=2)
+    greedy, other = Session(rt), Session(rt)
+    # Sent at once: Opens still compiling count towards their stream's share.
+    answers = await asyncio.gather(
+        *(greedy.open(open_msg(f"g{i}", tok, f"[a-z]{{{i + 1}}}")) for i in range(4))
+    )
+    refused = [RpcError.from_status(a.error) for a in answers if a.HasField("error")]
+    assert [e.reason for e in refused] == ["TOO_MANY_STREAM_REQUESTS"] * 2
+    assert all(e.code is grpc.StatusCode.RESOURCE_EXHAUSTED for e in refused)
+    assert "--max-requests-per-stream 2" in refused[0].message
+    assert len(greedy.requests) == 2 and rt.live_requests == 2
+    for i in range(2):
+        assert not (await other.open(open_msg(f"o{i}", tok))).HasField("error")
+    assert greedy.close_all() == 2
+    assert not (await greedy.open(open_msg("again", tok))).HasField("error")
+
+
 async def test_step_before_any_open_reports_unknown(tok: Tokenizer) -> None:
     s = Session(runtime(tok))
     res = s.step(grammar_pb2.Step(step=1, rows=[grammar_pb2.StepRow(request_id="x")]))

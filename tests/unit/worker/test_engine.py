@@ -586,3 +586,69 @@ async def test_abort_by_call_id_stops_every_choice() -> None:
         await engine.stop()
     # The first message may have been one choice's delta; both end with ABORT.
     assert {got[i][1].finish_reason for i in range(2)} == {worker_pb2.FINISH_REASON_ABORT}
+
+
+async def test_call_and_choice_ids_are_one_namespace() -> None:
+    """A call whose id, or one of whose choices' ids, is live is refused and admits nothing;
+    Abort names a call (all its choices) and an empty id names none."""
+    from neuron_worker.servicer import _choices
+
+    engine, _ = make_engine(overlap=True)
+    await engine.start()
+    try:
+        first = request(1, constrained=False, max_tokens=200)
+        first.request_id = "x"
+        await engine.submit_group(_choices(first, 2))  # x/0, x/1, call x
+        other = request(2, constrained=False, max_tokens=200)
+        await engine.submit(other)  # r2, a single call
+        await other.outputs.get()
+        clashes = [("x", 1), ("x", 3), ("x/0", 1), ("r2", 2), ("r2", 1)]
+        for rid, n in clashes:
+            r = request(3, constrained=True)
+            r.request_id = rid
+            with pytest.raises(RpcError) as e:
+                await engine.submit_group(_choices(r, n))
+            assert e.value.code is grpc.StatusCode.ALREADY_EXISTS, (rid, n)
+        assert set(engine.requests) == {"x/0", "x/1", "r2"}
+        assert set(engine.calls) == {"x", "r2"}
+        assert engine.scheduler.queue_depth + len(engine.scheduler.running) == 3
+        assert not engine.abort("")
+        assert not engine.abort("x/0")  # a choice's internal id is no call
+        assert engine.abort("x")
+        got = await collect_group(first, 2)
+        assert {got[i][1].finish_reason for i in range(2)} == {worker_pb2.FINISH_REASON_ABORT}
+        assert set(engine.calls) == {"r2"} and set(engine.requests) == {"r2"}
+        assert other.abort_reason is None  # the other call was not touched
+        assert engine.abort("r2")
+        await collect(other)
+        assert not engine.calls and not engine.requests
+    finally:
+        await engine.stop()
+
+
+async def test_abort_while_the_grammar_opens_never_queues_the_call() -> None:
+    """An Abort that arrives while a call's grammars are still opening ends the call once they
+    are open (grammar state closed) instead of queueing it: no slot is taken, nothing leaks."""
+    from neuron_worker.servicer import _choices
+
+    engine, _ = make_engine(overlap=True)
+    grammar = engine.grammar
+    assert isinstance(grammar, FakeGrammar)
+    await engine.start()
+    try:
+        first = request(1, constrained=True, max_tokens=200)
+        first.request_id = "slow"
+        grammar.open_s["slow/0"] = 0.3
+        submit = asyncio.create_task(engine.submit_group(_choices(first, 2)))
+        await asyncio.sleep(0.05)  # opening its first grammar now
+        assert set(engine.calls) == {"slow"}  # the id is taken while it opens
+        assert engine.abort("slow")
+        await submit
+        got = await collect_group(first, 2)
+        assert {got[i][1].finish_reason for i in range(2)} == {worker_pb2.FINISH_REASON_ABORT}
+        assert all(got[i][1].usage.completion_tokens == 0 for i in range(2))
+        await asyncio.sleep(0.05)  # a queued zombie would be admitted by now
+        assert not engine.scheduler.running and not engine.scheduler.waiting
+        assert not engine.calls and not engine.requests and grammar.live == {}
+    finally:
+        await engine.stop()

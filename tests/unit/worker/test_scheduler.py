@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 import pytest
 
@@ -11,12 +13,14 @@ from neuron_worker.request import Request, Sampling, State
 from neuron_worker.scheduler import Scheduler, bucket_for, parse_buckets, pow2_buckets
 
 
-def make(i: int, n_prompt: int = 4) -> Request:
+def make(i: int, n_prompt: int = 4, peer: str = "", group: str = "") -> Request:
     return Request(
         request_id=f"r{i}",
         prompt=[1] * n_prompt,
         sampling=Sampling(max_tokens=4),
         detok=Detokenizer(lambda t: b"x"),
+        peer=peer,
+        group=group,
     )
 
 
@@ -83,3 +87,71 @@ def test_prefill_budget_splits_admission_but_always_admits_one() -> None:
         s.enqueue(r)
     assert s.admit() == big[:1]  # one 64-token row fits; two would be 128
     assert s.admit() == big[1:2]
+
+
+# -- fair shares between clients (peers) -----------------------------------------------------
+
+
+def _refused(call: Callable[[], object]) -> RpcError:
+    with pytest.raises(RpcError) as e:
+        call()
+    assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.reason == "QUEUE_FULL"
+    return e.value
+
+
+def test_a_client_alone_may_fill_the_whole_queue() -> None:
+    s = sched(max_queue=4)
+    for i in range(4):
+        assert s.enqueue(make(i, peer="a")) == []
+    _refused(lambda: s.check_room("a", 1))
+    _refused(lambda: s.enqueue(make(9, peer="a")))
+
+
+def test_a_client_under_its_share_takes_the_place_of_the_greediest_newest_call() -> None:
+    s = sched(max_queue=4)
+    greedy = [make(i, peer="a") for i in range(4)]
+    for r in greedy:
+        s.enqueue(r)
+    s.check_room("b", 2)  # b's fair share is half the queue
+    _refused(lambda: s.check_room("b", 3))
+    assert s.enqueue(make(10, peer="b")) == [greedy[3]]
+    assert s.enqueue(make(11, peer="b")) == [greedy[2]]
+    _refused(lambda: s.enqueue(make(12, peer="b")))  # b holds its share now
+    _refused(lambda: s.enqueue(make(13, peer="a")))
+    assert [r.request_id for r in s.waiting] == ["r0", "r1", "r10", "r11"]
+
+
+def test_the_choices_of_a_call_leave_the_queue_together() -> None:
+    s = sched(max_queue=4)
+    reqs = [make(0, peer="a"), make(1, peer="a"), make(2, peer="a", group="g")]
+    reqs.append(make(3, peer="a", group="g"))
+    for r in reqs:
+        s.enqueue(r)
+    assert s.enqueue(make(10, peer="b")) == reqs[2:]
+    assert s.queue_depth == 3
+
+
+def test_a_free_slot_goes_to_the_client_with_the_fewest_running() -> None:
+    s = sched(max_batch=2, max_queue=8)
+    greedy = [make(i, peer="a") for i in range(4)]
+    for r in greedy:
+        s.enqueue(r)
+    late = make(10, peer="b")
+    s.enqueue(late)
+    assert s.admit() == [greedy[0], late]  # first come first, then the client with none running
+    s.release(greedy[0])
+    assert s.admit() == [greedy[1]]
+
+
+def test_between_equals_a_free_slot_goes_to_the_client_admitted_least_recently() -> None:
+    s = sched(max_batch=1, max_queue=8)
+    greedy = [make(i, peer="a") for i in range(3)]
+    for r in greedy:
+        s.enqueue(r)
+    assert s.admit() == [greedy[0]]
+    late = make(10, peer="b")
+    s.enqueue(late)
+    s.release(greedy[0])
+    assert s.admit() == [late]  # a had the slot last; b's request is younger but goes first
+    s.release(late)
+    assert s.admit() == [greedy[1]]

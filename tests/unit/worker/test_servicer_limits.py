@@ -104,6 +104,13 @@ async def test_huge_repeated_and_string_fields(servicer: WorkerServicer) -> None
     err = await refused(servicer, gen(request_id="r" * (MAX_REQUEST_ID_CHARS + 1)))
     assert err.violations[0][0] == "request_id"
     await servicer._build(gen(request_id="r" * MAX_REQUEST_ID_CHARS))
+    err = await refused(servicer, gen(request_id="x/0"))  # the worker's name for a choice
+    assert err.violations[0][0] == "request_id" and "'/'" in err.violations[0][1]
+    for forged in ("a\nINFO fake log line", "a\x00b", "tab\there", "bidi\u202e"):
+        err = await refused(servicer, gen(request_id=forged))
+        assert err.violations[0][0] == "request_id" and "unprintable" in err.violations[0][1]
+    await servicer._build(gen(request_id="chatcmpl-0f3e:ok.id_1 ü"))
+    assert (await servicer._build(gen())).request_id  # empty: the worker assigns one
     err = await refused(servicer, gen(model="m" * 5_000_000))
     assert err.code is grpc.StatusCode.NOT_FOUND and len(err.message) < 1000
 
