@@ -177,7 +177,7 @@ class Server:
 
 def start_maskwire(up_args: list[str], cgroup: Any) -> Server:
     port = free_port()
-    argv = [sys.executable, "-m", "maskwire", "up", "--port", str(port), "--worker-port", "0"]
+    argv = [sys.executable, "-m", "maskwire.cli", "up", "--port", str(port), "--worker-port", "0"]
     argv += ["--grammar-port", "0", "--no-show-logs", *up_args]
     url = f"http://127.0.0.1:{port}"
     return Server("maskwire", argv, f"{url}/v1", f"{url}/ready", cgroup)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+import torch._inductor.config
 
 from neuron_worker.compile_fallback import compile_or_eager
 
@@ -31,6 +32,19 @@ LEAN_WRAPPER: dict[str, bool] = {
     "alignment_asserts": False,
     "scalar_asserts": False,
 }
+
+
+def serving_guards(entries: Any) -> list[bool]:
+    """The guards a serving graph keeps: not those on the model's modules (weights never change
+    after loading: guarding on every module attribute costs ~1 ms per step for nothing), and not
+    the global-state guard while generated kernels read the thread count when they run
+    (`torch._inductor.config.cpp.dynamic_threads`, set with the thread governor): that guard
+    holds the thread count, which the governor changes, beside grad mode, autocast and the
+    default dtype, which the worker never changes. Input tensors (shapes, dtypes) stay guarded."""
+    keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+    if not torch._inductor.config.cpp.dynamic_threads:
+        return list(keep)
+    return [k and e.guard_type != "GLOBAL_STATE" for k, e in zip(keep, entries, strict=True)]
 
 
 class BackendError(RuntimeError):
@@ -58,10 +72,8 @@ class Backend:
             return fn
         name = name or getattr(fn, "__name__", "fn")
         log.info("compiling %s with torch.compile", name)
-        # Model weights never change after loading: guarding on every module attribute at each
-        # call costs ~1 ms per step for nothing. Input tensors (shapes, dtypes) stay guarded.
         options: dict[str, Any] = {
-            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+            "guard_filter_fn": serving_guards,
             **LEAN_WRAPPER,
         }
         return compile_or_eager(

@@ -31,7 +31,7 @@ import torch
 import torch._inductor.config
 from torch import nn
 
-from neuron_worker.backends import LEAN_WRAPPER
+from neuron_worker.backends import LEAN_WRAPPER, serving_guards
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,11 @@ def _count(what: str) -> None:
 
 
 def _portable_guards(entries: Sequence[Any]) -> list[bool]:
-    # Guards that can be saved: input tensors' metadata, symbolic shapes, global state. Guards
-    # on the model's modules are dropped, as `Backend.compile` drops them: weights never change.
-    skip_modules = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+    # Guards that can be saved (input tensors' metadata, symbolic shapes, global state), less
+    # those a serving graph drops (`backends.serving_guards`).
+    serving = serving_guards(entries)
     portable = torch.compiler.keep_portable_guards_unsafe(entries)
-    return [a and b for a, b in zip(skip_modules, portable, strict=True)]
+    return [a and b for a, b in zip(serving, portable, strict=True)]
 
 
 class SavedGraphs:

@@ -166,3 +166,38 @@ def test_threads_started_by_a_named_thread_carry_its_name() -> None:
 
 def _comm() -> str:
     return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+
+
+def test_a_compiled_graph_serves_any_team_size_without_compiling_again() -> None:
+    """With kernels that read the team size when they run, a new size is no reason to compile:
+    the governor's changes never stall a step on a compile (which the global-state guard on the
+    thread count would cause)."""
+    import torch
+    import torch._inductor.config
+    from torch._dynamo.utils import counters
+
+    from neuron_worker.backends import create_backend
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x.sin() * 2).sum(-1)
+
+    x = torch.randn(64, 4096)
+    before = torch.get_num_threads()
+    compiled_per_setting = []
+    try:
+        for dynamic in (True, False):
+            torch._inductor.config.cpp.dynamic_threads = dynamic
+            torch._dynamo.reset()
+            counters.clear()
+            g = create_backend("cpu", compile=True).compile(f, name=f"team_{dynamic}")
+            outs = []
+            for n in (2, 1, 2):
+                torch.set_num_threads(n)
+                outs.append(g(x))
+            assert all(torch.allclose(o, f(x), rtol=1e-4, atol=1e-3) for o in outs)
+            compiled_per_setting.append(counters["stats"]["unique_graphs"])
+    finally:
+        torch._inductor.config.cpp.dynamic_threads = False
+        torch.set_num_threads(before)
+        torch._dynamo.reset()
+    assert compiled_per_setting == [1, 2]  # the fixed-size kernels need a graph per size
