@@ -7,10 +7,14 @@ once; never part of CI); maskwire is measured through its gateway with the `open
 `maskwire up` with its defaults. The two alternate for `--rounds` rounds so that drifting machine
 load hits both alike; the median of the rounds is reported with the ratios maskwire / vLLM, and
 the targets (`TARGETS`) are checked. Run nothing else on the machine meanwhile (2 cores).
+With `--llama-server PATH` (built by bench/build_llama_server.sh), llama.cpp's server runs the
+same workload in each round as a third engine (bench/llama_server.py), reported with the ratios
+maskwire / llama-server (no targets).
 
 Writes bench/results/<name>.json and <name>.png (`--name`, default vs_vllm; the CPU's vector
 extensions are recorded, as the figures depend on them: vs_vllm_avx2 holds an AVX2-only host's).
 Usage: python bench/vs_vllm.py [--rounds 3] [--peers ../shared/peers] [--up-args "..."] [--name N]
+                                [--llama-server PATH]
 """
 
 from __future__ import annotations
@@ -85,7 +89,15 @@ def main() -> None:
     )
     ap.add_argument("--skip-setup", action="store_true")
     ap.add_argument("--name", default="vs_vllm", help="result file name (without extension)")
+    ap.add_argument(
+        "--llama-server", type=Path, help="also run llama.cpp's llama-server (this executable)"
+    )
     a = ap.parse_args()
+    engines = ["vllm", "maskwire"]
+    if a.llama_server:
+        from llama_server import run_llama_server_workload
+
+        engines.append("llama_server")
 
     env = {**os.environ, "PEERS_WORK": a.work}
     env["MASKWIRE"] = str(ROOT / ".venv" / "bin" / "maskwire")
@@ -138,16 +150,21 @@ def main() -> None:
                 "vllm_valid": {k: vllm["summary"].get(k) for k in ("c1_valid", "c8_valid")},
             }
         )
+        if a.llama_server:
+            llama = run_llama_server_workload(a.llama_server, a.peers, log=log)["summary"]
+            rounds[-1]["llama_server"] = figures(llama)
+            rounds[-1]["llama_server_ready_s"] = llama["ready_s"]
+            rounds[-1]["llama_server_valid"] = {k: llama[k] for k in ("c1_valid", "c8_valid")}
         print(f"round {i + 1}/{a.rounds}: {json.dumps(rounds[-1])}", flush=True)
 
     median = {
         engine: {k: statistics.median(r[engine][k] for r in rounds) for k in FIGURES}
-        for engine in ("vllm", "maskwire")
+        for engine in engines
     }
     ratios = {k: median["maskwire"][k] / median["vllm"][k] for k in FIGURES}
     met = {}
-    for k, target in TARGETS.items():
-        met[k] = ratios[k] <= target if k.endswith("ttft_ms") else ratios[k] >= target
+    for k, bound in TARGETS.items():
+        met[k] = ratios[k] <= bound if k.endswith("ttft_ms") else ratios[k] >= bound
     out = {
         "rounds": rounds,
         "median": median,
@@ -159,6 +176,10 @@ def main() -> None:
         "load_avg": os.getloadavg(),
         "cpu": cpu_features(),
     }
+    if a.llama_server:
+        out["ratio_maskwire_over_llama_server"] = {
+            k: median["maskwire"][k] / median["llama_server"][k] for k in FIGURES
+        }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{a.name}.json").write_text(json.dumps(out, indent=1) + "\n")
     print("| figure | vLLM-cpu | maskwire | maskwire / vLLM | target |")
@@ -171,6 +192,14 @@ def main() -> None:
             f"| {label} | {median['vllm'][k]:.1f} | {median['maskwire'][k]:.1f} | "
             f"{ratios[k]:.2f}{mark} | {target} |"
         )
+    if a.llama_server:
+        print("\n| figure | llama-server | maskwire | maskwire / llama-server |")
+        print("| --- | --- | --- | --- |")
+        for k, (label, _, _) in FIGURES.items():
+            print(
+                f"| {label} | {median['llama_server'][k]:.1f} | {median['maskwire'][k]:.1f} | "
+                f"{out['ratio_maskwire_over_llama_server'][k]:.2f} |"
+            )
     plot(out, RESULTS / f"{a.name}.png")
 
 
@@ -195,15 +224,19 @@ def plot(out: dict[str, Any], path: Path) -> None:
 
     keys = list(FIGURES)
     fig, axes = plt.subplots(2, (len(keys) + 1) // 2, figsize=(1.7 * len(keys), 6.4))
+    bars = [("vllm", "vLLM-cpu", "#999999"), ("maskwire", "maskwire", "#2a7fbf")]
+    if "llama_server" in out["median"]:
+        bars.append(("llama_server", "llama-server", "#d08a2c"))
     for ax, k in zip(axes.flat, keys, strict=False):
-        vals = [out["median"]["vllm"][k], out["median"]["maskwire"][k]]
-        ax.bar(["vLLM-cpu", "maskwire"], vals, color=["#999999", "#2a7fbf"])
+        vals = [out["median"][engine][k] for engine, _, _ in bars]
+        ax.bar([label for _, label, _ in bars], vals, color=[color for _, _, color in bars])
         ax.set_title(FIGURES[k][0], fontsize=8)
         for x, v in enumerate(vals):
             ax.text(x, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
     cpu = out.get("cpu", {})
     fig.suptitle(
-        f"maskwire (defaults, through its gateway) vs vLLM-cpu {out.get('vllm_dtype', 'bfloat16')},"
+        f"maskwire (defaults, through its gateway) vs vLLM-cpu {out.get('vllm_dtype', 'bfloat16')}"
+        f"{' and llama-server' if len(bars) > 2 else ''},"
         f" same CPU ({cpu.get('model', '?')}, {'+'.join(cpu.get('flags', []))}),"
         f" medians of {len(out['rounds'])} rounds"
     )

@@ -571,17 +571,21 @@ def test_schema_layer_takes_what_the_grammar_cannot_and_says_so(
         "response_format": rf,
     }
     r = httpx.post(f"http://{gw.address}/v1/chat/completions", json=body, timeout=300)
-    assert r.status_code in (200, 500), r.text
-    header = r.headers["x-maskwire-schema-enforcement"] if r.status_code == 200 else ""
-    if r.status_code == 200:
-        assert header.startswith("mode=complete; validated")
-        assert "rewritten=dependentRequired" in header and "runtime=uniqueItems" in header
-        assert "annotation=format" in header
-        choice = r.json()["choices"][0]
-        if choice["finish_reason"] == "stop":
-            jsonschema.validate(json.loads(choice["message"]["content"]), schema)
-    else:  # the model found no valid way through: a named error, never an invalid answer
-        assert r.json()["error"]["code"] == "constraint_unsatisfied"
+    # A duplicate string item can always be avoided by writing on (the check refuses only the
+    # quote that would close a duplicate): no dead end, so never `constraint_unsatisfied`.
+    assert r.status_code == 200, r.text
+    header = r.headers["x-maskwire-schema-enforcement"]
+    assert header.startswith("mode=complete; validated")
+    assert "rewritten=dependentRequired" in header and "runtime=uniqueItems" in header
+    assert "annotation=format" in header
+    choice = r.json()["choices"][0]
+    content = choice["message"]["content"]
+    if choice["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(content), schema)
+    else:  # the model tags on (`feline`, `feline_cat`, ...) until max_tokens
+        assert choice["finish_reason"] == "length"
+        tags = re.findall(r'"([^"\\]*)"', content.split("[", 1)[1])  # the closed items
+        assert len(tags) >= 2 and len(set(tags)) == len(tags), content
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, "x", response_format=rf, extra_body={"schema_mode": "strict"})
     assert isinstance(e.value.body, dict) and "Unimplemented" in e.value.body["message"]

@@ -76,30 +76,47 @@ def walk(compiled: CompiledGrammar, tok: Tokenizer, text: str) -> Walked:
     return Walked(f.accepting(), masked_off)
 
 
-def sample(compiled: CompiledGrammar, tok: Tokenizer, rng: random.Random, limit: int = 48) -> str:
-    """A random output the mask allows (ending at EOS when allowed, with some probability), or
-    "" when it hit a dead end or `limit` tokens without ending. Short and structural tokens are
-    preferred, so that outputs end within the limit."""
+@dataclass
+class Sampled:
+    text: str  # the tokens' text
+    end: str  # "eos": EOS allowed and taken; "dead_end": the mask allowed nothing; "limit"
+
+
+def sample(
+    compiled: CompiledGrammar, tok: Tokenizer, rng: random.Random, limit: int = 48
+) -> Sampled:
+    """A random walk through what the mask allows, ending at EOS when allowed (with some
+    probability), where the mask allows no token at all, or after `limit` tokens. Short and
+    structural tokens are preferred, so that outputs end within the limit."""
     classes = token_classes(tok)
     short, structural = _token_kinds(tok)
     f = Follower(compiled, tok)
     eos = set(tok.eos_token_ids)
     out: list[int] = []
+
+    def text(errors: str = "replace") -> str:
+        return b"".join(classes.token_bytes[t] for t in out).decode(errors=errors)
+
     for _ in range(limit):
         row = f.row()
         bits = np.unpackbits(row.view(np.uint8), bitorder="little")[: tok.vocab_size].astype(bool)
         if not bits.any():
-            return ""
+            return Sampled(text(), "dead_end")
         if any(bits[e] for e in eos) and (rng.random() < 0.4 or bits.sum() == len(eos)):
-            return b"".join(classes.token_bytes[t] for t in out).decode()
+            return Sampled(text("strict"), "eos")
         bits[list(eos)] = False
-        pool = np.flatnonzero(bits & (structural if rng.random() < 0.3 else short))
-        if not len(pool):
-            pool = np.flatnonzero(bits)
+        # Past half the limit, mostly short structural tokens: the output closes what it opened.
+        if len(out) >= limit // 2 and rng.random() < 0.8:
+            kinds = [structural & short, structural]
+        else:
+            kinds = [structural if rng.random() < 0.3 else short]
+        pool = next(
+            (p for p in (np.flatnonzero(bits & k) for k in kinds) if len(p)), np.flatnonzero(bits)
+        )
         token = int(pool[rng.randrange(len(pool))])
         assert f.consume(token), "a token its mask allowed was refused"
         out.append(token)
-    return ""
+    return Sampled(text(), "limit")
 
 
 _KINDS: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}

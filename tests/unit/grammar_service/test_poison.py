@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from grammar_service import poison as poison_module
 from grammar_service.poison import PoisonList
 
 DIE_WHILE_COMPILING = """
@@ -89,3 +93,81 @@ def test_unusable_state_dir_keeps_the_list_in_memory(tmp_path: Path) -> None:
     with poison.journal("k"):
         pass
     assert os.path.isfile(blocker)
+
+
+def lines(state: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (state / "poison.jsonl").read_text().splitlines()]
+
+
+def test_a_restart_drops_what_expired_and_keeps_what_did_not(tmp_path: Path) -> None:
+    now = time.time()
+    entries = [
+        {"key": "old", "why": "crashed", "until": now - 1},
+        {"key": "live", "why": "crashed", "until": now + 600},
+        {"key": "stale-strike", "strike": now - 700},
+        {"key": "fresh-strike", "strike": now - 10},
+    ]
+    (tmp_path / "poison.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
+    poison = PoisonList(tmp_path, ttl_s=600)
+    assert poison.reason("old") is None and poison.reason("live") == "crashed"
+    assert len(poison) == 1
+    # The file is rewritten with the live entries only.
+    assert sorted(str(e["key"]) for e in lines(tmp_path)) == ["fresh-strike", "live"]
+
+
+def test_a_strike_older_than_the_ttl_does_not_count(tmp_path: Path) -> None:
+    """Two keys in flight at a crash get a strike each; a second strike makes poison only while
+    the first is younger than the TTL."""
+    now = time.time()
+    (tmp_path / "poison.jsonl").write_text(
+        json.dumps({"key": "bad", "strike": now - 700})
+        + "\n"
+        + json.dumps({"key": "worse", "strike": now - 10})
+        + "\n"
+    )
+    die_compiling(tmp_path, "bad", "worse")
+    poison = PoisonList(tmp_path, ttl_s=600)
+    assert poison.reason("bad") is None
+    assert poison.reason("worse") == "the grammar service died twice while compiling it"
+
+
+def test_the_oldest_entries_are_evicted_past_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(poison_module, "_MAX_ENTRIES", 3)
+    poison = PoisonList(tmp_path)
+    for k in ("k0", "k1", "k2", "k3"):
+        poison.add(k, f"{k} crashed")
+    assert [poison.reason(k) for k in ("k0", "k1", "k2", "k3")] == [
+        None,
+        "k1 crashed",
+        "k2 crashed",
+        "k3 crashed",
+    ]
+    poison.add("k1", "k1 crashed again")  # the newest now
+    poison.add("k4", "k4 crashed")
+    assert poison.reason("k2") is None and len(poison) == 3
+    # A restart reads every line of the file and keeps the newest three.
+    restarted = PoisonList(tmp_path)
+    assert {k: restarted.reason(k) for k in ("k0", "k1", "k2", "k3", "k4")} == {
+        "k0": None,
+        "k1": "k1 crashed again",
+        "k2": None,
+        "k3": "k3 crashed",
+        "k4": "k4 crashed",
+    }
+    assert len(lines(tmp_path)) == 3
+
+
+def test_a_torn_last_line_loses_nothing_before_it(tmp_path: Path) -> None:
+    """A crash mid-write leaves half a line: the entries before it still count, the file is
+    rewritten whole, and what is added next is a line of its own."""
+    until = time.time() + 600
+    whole = json.dumps({"key": "a", "why": "crashed", "until": until})
+    torn = json.dumps({"key": "b", "why": "crashed", "until": until})[:25]
+    (tmp_path / "poison.jsonl").write_text(whole + "\n" + torn)
+    poison = PoisonList(tmp_path)
+    assert poison.reason("a") == "crashed" and poison.reason("b") is None
+    poison.add("c", "crashed too")
+    assert [e["key"] for e in lines(tmp_path)] == ["a", "c"]
+    assert PoisonList(tmp_path).reason("c") == "crashed too"

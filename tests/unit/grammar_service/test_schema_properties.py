@@ -2,7 +2,9 @@
 checks at run time,
 
 * everything the mask lets a generation produce (random walks ending where EOS is allowed)
-  validates against the original schema, and
+  validates against the original schema,
+* no walk runs into a dead end (a state where the mask allows nothing), and most walks end
+  within the token limit: the mask leads nowhere no valid output goes, and
 * every valid instance (generated candidates that jsonschema accepts) is accepted, with each of
   its tokens allowed by its mask row: the layer never cuts a valid path.
 
@@ -21,7 +23,14 @@ from hypothesis import strategies as st
 
 from maskwire.rpc import RpcError
 from maskwire.tokenizer import Tokenizer, load_tokenizer
-from tests.unit.grammar_service.schema_support import compile_schema, sample, valid, walk
+from tests.unit.grammar_service.schema_support import (
+    Follower,
+    allowed,
+    compile_schema,
+    sample,
+    valid,
+    walk,
+)
 
 TOK: Tokenizer = load_tokenizer("default")
 NAMES = ["p0", "p1", "p2", "p3"]
@@ -30,7 +39,14 @@ SCALARS = [0, 1, 2, "a", "b", True, False, None]
 PROPERTIES = {n: {"type": "integer", "minimum": 0, "maximum": 3} for n in NAMES}
 
 
-def check(schema: dict[str, Any], candidates: list[Any], seed: int) -> None:
+SAMPLES = 8
+MIN_COMPLETE = 2  # walks that must end at EOS (the others run into the token limit)
+
+
+def check(schema: dict[str, Any], candidates: list[Any], seed: int, *, doomed: str = "") -> None:
+    """`doomed` names the known defect (an xfail test below) that lets this schema's mask lead
+    into a dead end, or into a path no valid output continues: only then are such walks let
+    pass. Everything else is checked all the same."""
     try:
         compiled = compile_schema(schema, TOK)
     except RpcError as e:
@@ -38,15 +54,21 @@ def check(schema: dict[str, Any], candidates: list[Any], seed: int) -> None:
         assert "nsatisfiable" in e.message or e.reason == "EMPTY_LANGUAGE", e.message
         assert not any(valid(schema, c) for c in candidates), (schema, e.message)
         return
-    rng = random.Random(seed)
-    for _ in range(4):
-        text = sample(compiled, TOK, rng)
-        if text:
-            assert valid(schema, json.loads(text)), (schema, text)
     for value in candidates:
         if valid(schema, value):
             walked = walk(compiled, TOK, json.dumps(value))
             assert walked.accepted and walked.masked_off is None, (schema, value)
+    rng = random.Random(seed)
+    walks = [sample(compiled, TOK, rng) for _ in range(SAMPLES)]
+    for w in walks:
+        if w.end == "eos":
+            assert valid(schema, json.loads(w.text)), (schema, w.text)
+    if doomed:
+        return
+    dead = [w.text for w in walks if w.end == "dead_end"]
+    assert not dead, ("the mask led into a dead end", schema, dead)
+    # Walks that never end: a path the mask allows but no valid output continues.
+    assert sum(w.end == "eos" for w in walks) >= MIN_COMPLETE, (schema, [w.text for w in walks])
 
 
 def subsets(names: list[str]) -> st.SearchStrategy[list[str]]:
@@ -180,7 +202,8 @@ BRANCHES = [
 )
 def test_one_of(branches: list[dict[str, Any]], seed: int) -> None:
     candidates = ["ab", 0, 3, 9, -1, True, None, [1], [1, 2, 3], {"k": "p"}, {"k": "q", "n": 1}]
-    check({"oneOf": branches}, candidates, seed)
+    overlap = BRANCHES[1] in branches and BRANCHES[-1] in branches
+    check({"oneOf": branches}, candidates, seed, doomed="one_of_overlap" if overlap else "")
 
 
 @SETTINGS
@@ -202,7 +225,8 @@ def test_unique_items(
     schema = {"type": "array", "items": items, "uniqueItems": True, "minItems": lo}
     if hi >= lo:
         schema["maxItems"] = hi
-    check(schema, arrays, seed)
+    checked_at_run_time = "enum" not in items and items["type"] != "boolean"
+    check(schema, arrays, seed, doomed="unique_items_bounded" if checked_at_run_time else "")
 
 
 @SETTINGS
@@ -234,7 +258,7 @@ def test_property_names(names: dict[str, Any], extra: Any, values: list[Any], se
 def test_property_counts(counts: tuple[int, int], values: list[Any], seed: int) -> None:
     lo, hi = counts
     schema = {"type": "object", "properties": PROPERTIES, "minProperties": lo, "maxProperties": hi}
-    check(schema, values, seed)
+    check(schema, values, seed, doomed="property_counts_max")
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -249,8 +273,65 @@ def test_contains_and_complex_not(seed: int) -> None:
         [[2], [0, 2], [2, 3], [], [1]],
         seed,
     )
-    check(
-        {"type": "object", "properties": PROPERTIES, "not": {"properties": {"p0": {"const": 1}}}},
-        [{"p0": 1}, {"p0": 2}, {}],
-        seed,
+    check(NOT_P0, [{"p0": 1}, {"p0": 2}, {}], seed, doomed="not_in_property_order")
+
+
+NOT_P0 = {"type": "object", "properties": PROPERTIES, "not": {"properties": {"p0": {"const": 1}}}}
+
+
+# Known ways the schema layer's run-time checks let the mask lead where no valid output goes
+# (the `doomed` names above): a check refuses the token that completes a violating value, and
+# where that value cannot be extended nothing else is allowed. Each passes once it is fixed.
+@pytest.mark.xfail(
+    strict=True,
+    reason="the run-time checks allow a value that violates them when only its end is refused",
+)
+@pytest.mark.parametrize(
+    ("schema", "prefix"),
+    [
+        # `0` is both branches' (oneOf fails); nothing can follow it.
+        ({"oneOf": [BRANCHES[1], BRANCHES[-1]]}, "0"),
+        # A second `1`: the items are at most 3, no digit can follow.
+        (
+            {"type": "array", "items": {"type": "integer", "maximum": 3}, "uniqueItems": True},
+            "[1, 1",
+        ),
+        # Any property is one too many: the object is refused only at its end.
+        ({"type": "object", "properties": PROPERTIES, "maxProperties": 0}, '{"a": false}'),
+    ],
+    ids=["one_of_overlap", "unique_items_bounded", "property_counts_max"],
+)
+def test_no_prefix_the_mask_allows_is_a_dead_end(schema: dict[str, Any], prefix: str) -> None:
+    f = Follower(compile_schema(schema, TOK), TOK)
+    for t in TOK.ll.tokenize_str(prefix):
+        if not allowed(f.row(), t):
+            return  # refused on the way: no dead end down this path
+        assert f.consume(t)
+    assert f.row().any(), f"the mask allows {prefix!r} and nothing after it"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the grammar writes listed properties first, so after another property `p0` cannot "
+    "come, and without it the object violates the `not`",
+)
+def test_not_in_property_order() -> None:
+    compiled = compile_schema(NOT_P0, TOK)
+    prefix = '{"x": 1'
+    later = walk(compiled, TOK, prefix + ', "p0": 2}')
+    assert valid(NOT_P0, json.loads(prefix + ', "p0": 2}'))
+    assert walk(compiled, TOK, prefix).masked_off is not None or (
+        later.accepted and later.masked_off is None
     )
+
+
+@pytest.mark.xfail(
+    strict=True, reason="minProperties above maxProperties is not found unsatisfiable"
+)
+def test_more_properties_required_than_allowed_is_unsatisfiable() -> None:
+    with pytest.raises(RpcError) as e:
+        compile_schema(
+            {"type": "object", "properties": PROPERTIES, "minProperties": 3, "maxProperties": 0},
+            TOK,
+        )
+    assert "nsatisfiable" in e.value.message or e.value.reason == "EMPTY_LANGUAGE"

@@ -5,6 +5,9 @@ fallback where they cannot run."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -408,3 +411,85 @@ def test_the_environment_switch_turns_the_kernels_off(monkeypatch: pytest.Monkey
     monkeypatch.setattr(kernels, "_tried", False)
     monkeypatch.setattr(kernels, "_loaded", None)
     assert not kernels.available()
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+# The fp32 kernels of a kernel set this process did not load (two sets cannot share a process:
+# both register the `maskwire_kernels` ops), against fp64 references, in a process of their own
+# that loads only that set's library (argv[1]).
+OTHER_SET_CHECKS = """
+import sys
+
+import torch
+
+from neuron_worker import kernels
+from neuron_worker.model.linear import Int8Weight
+from tests.unit.model.test_kernels import reference_attention, weight
+
+
+def check(name, x, got, w):
+    # As close to x @ W^T (fp64, W as stored) as the dense fp32 matmul is.
+    exact = x.double() @ w.double().t()
+    err = float((got.double() - exact).abs().max())
+    dense_err = float(((x @ w.t()).double() - exact).abs().max())
+    assert err <= 4 * dense_err + 1e-6, (name, tuple(x.shape), tuple(w.shape), err, dense_err)
+
+
+torch.ops.load_library(sys.argv[1])
+for rows in (1, 3, 8, 9, 17):
+    for n, k in ((8, 32), (960, 576), (64, 1536)):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
+        w4 = weight(n, k, seed=rows)
+        got = kernels.int4_matmul_f32(x, *kernels.pack_int4_f32(w4.q, w4.scale, w4.low))
+        check("int4", x, got, w4.dequantize())
+        w8 = Int8Weight.from_float(torch.randn(n, k, generator=torch.Generator().manual_seed(n)))
+        got = kernels.int8_matmul_f32(x, *kernels.pack_int8_f32(w8.q, w8.scale))
+        check("int8", x, got, w8.dequantize())
+g = torch.Generator().manual_seed(11)
+cache = torch.randn(2, 6, 3, 40, 64, generator=g)
+k, v = cache[0, :, :, :29], cache[1, :, :, :29]
+slots = torch.tensor([4, 0, 5, 2])
+pos = torch.tensor([[10, 3], [-1, -1], [0, 1], [28, 60]])
+q = torch.randn(4, 3, 2 * 2, 64, generator=g)
+got = kernels.decode_attention(q, k, v, slots, pos)
+want = reference_attention(q, k, v, slots, pos)
+torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+print("checked")
+"""
+
+
+@pytest.mark.skipif(kernels.compiler() is None, reason="no C++ compiler")
+@pytest.mark.parametrize(
+    "kernel_set",
+    [
+        s
+        for s in kernels.KERNEL_SETS
+        if set(s.cpu_flags) <= _cpu_flags() and s != kernels.cpu_kernel_set()
+    ],
+    ids=lambda s: s.name,
+)
+def test_every_kernel_set_the_cpu_runs_builds_and_computes_right(
+    kernel_set: kernels.KernelSet,
+) -> None:
+    """The worker loads the richest set the CPU runs, so the other sets (AVX2 on an AVX-512
+    host) would otherwise never be built or run here: built with only their own ISA flags,
+    their fp32 matmuls and attention must match the references."""
+    library = kernels._build_somewhere(kernel_set)
+    assert kernel_set.name in library.name
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, kernels.DISABLE_ENV: "0", "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-c", OTHER_SET_CHECKS, str(library)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "checked", done.stderr[-3000:]

@@ -494,9 +494,8 @@ async def test_logprobs_of_sampled_and_forced_tokens() -> None:
             assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token_id == e.token_id
 
 
-async def test_logit_bias_and_penalties_change_the_tokens() -> None:
-    """A -100 bias on the model's choice moves the first token; a penalised request's slot in the
-    occurrence table counts its output (up to its last sample) and holds its prompt."""
+async def test_logit_bias_changes_the_tokens() -> None:
+    """A -100 bias on the model's choice moves the first token."""
     engine, _ = make_engine(overlap=True)
     await engine.start()
     try:
@@ -506,23 +505,78 @@ async def test_logit_bias_and_penalties_change_the_tokens() -> None:
         biased.sampling = Sampling(max_tokens=4, logit_bias={want[0]: -100.0})
         await engine.submit(biased)
         ids, _, _ = await collect(biased)
-        penalised = request(2, constrained=False, max_tokens=5)
-        penalised.sampling = Sampling(max_tokens=5, presence_penalty=0.5, repetition_penalty=1.5)
-        await engine.submit(penalised)
-        out, _, _ = await collect(penalised)
     finally:
         await engine.stop()
     assert ids[0] != want[0]
-    # The fake's one-hot logit of 10 survives these penalties: same tokens as without them.
-    assert out == reference(penalised.prompt, 5, False, 9)
+
+
+RUNNER_UP, THIRD = NORMAL[30], NORMAL[31]
+PENALTIES = Sampling(
+    max_tokens=7,
+    presence_penalty=0.5,
+    frequency_penalty=2.0,
+    repetition_penalty=1.5,
+    logit_bias={RUNNER_UP: 4.0, THIRD: 3.0},
+)
+
+
+def penalised_reference(prompt: list[int], constrained: bool) -> list[int]:
+    """Greedy output of the fake model that always prefers the prompt's first token, under
+    `PENALTIES` as documented (`neuron_worker.penalties`), in float64: the repetition penalty on
+    prompt and output tokens, then frequency and presence on output tokens (forced ones
+    included), then the bias."""
+    s = PENALTIES
+    out: list[int] = list(FF) if constrained else []
+    while len(out) < s.max_tokens:
+        x = np.zeros(V + 64)
+        x[prompt[0]] = 10.0
+        counts = np.bincount(out, minlength=V + 64).astype(np.float64)
+        seen = np.zeros(V + 64, dtype=bool)
+        seen[prompt] = True
+        rep = s.repetition_penalty
+        x = np.where((counts > 0) | seen, np.where(x > 0, x / rep, x * rep), x)
+        x -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0)
+        for t, b in s.logit_bias.items():
+            x[t] += b
+        best = np.sort(x)[-2:]
+        assert best[1] > max(best[0], 0.0), "a tie: the test would depend on tie-breaking"
+        out.append(int(np.argmax(x)))
+        if constrained:
+            out.extend(FF)
+    return out[: s.max_tokens]
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+async def test_penalties_move_the_tokens_by_their_exact_amounts(constrained: bool) -> None:
+    """The model's choice (logit 10, in the prompt: 10 / 1.5) loses to the biased runner-up
+    once its output count has cost it enough, and the runner-up in turn; the reference applies
+    the documented formula to every logit. Constrained, the forced tokens (the model's choice
+    is the first of them) count too. The request's slot in the occurrence table holds its
+    prompt and counts its output up to its last sample."""
+    engine, model = make_engine(overlap=True, limit=100)
+    model.rule = lambda seq: seq[0]
+    first = FF[0] if constrained else NORMAL[20]
+    r = request(2, constrained=constrained)
+    r.prompt = [first, NORMAL[21], NORMAL[22]]
+    r.sampling = PENALTIES
+    await engine.start()
+    try:
+        await engine.submit(r)
+        out, _, _ = await collect(r)
+    finally:
+        await engine.stop()
+    want = penalised_reference(r.prompt, constrained)
+    assert out == want
+    assert RUNNER_UP in out  # without the penalties every sampled token would be `first`
     table = engine.occurrences
     assert table is not None
-    rows = [s for s in range(table.counts.shape[0]) if int(table.counts[s].sum()) == 4]
-    assert rows, "no slot counted the 4 tokens sampled before the last one"
-    slot = rows[0]
-    for t in set(out[:4]):
-        assert int(table.counts[slot, t]) == out[:4].count(t)
-    assert table.prompt_seen[slot, penalised.prompt].all()
+    # Sampled positions: all, or FF FF t FF FF t ... constrained.
+    last = max(k for k in range(len(out)) if not constrained or k % 3 == 2)
+    counted = out[:last]
+    rows = [s for s in range(table.counts.shape[0]) if table.prompt_seen[s, r.prompt].all()]
+    assert len(rows) == 1
+    for t in set(out):
+        assert int(table.counts[rows[0], t]) == counted.count(t), t
 
 
 async def collect_group(queue_owner: Request, n: int) -> dict[int, tuple[list[int], Any]]:

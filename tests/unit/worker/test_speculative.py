@@ -612,3 +612,49 @@ async def test_a_draft_that_crosses_eos_ends_the_request_there(bucketed: bool) -
         assert (ids, text, final.finish_reason) == (ids0, text0, final0.finish_reason)
         assert EOS not in ids  # EOS ends the request; it is not part of the output
     assert any(f.finish_reason == worker_pb2.FINISH_REASON_STOP for *_, f in got)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": 0.5},
+        {"repetition_penalty": 1.2},
+        {"logit_bias": {NORMAL[50]: 1.0}},
+        {"logprobs": True},
+    ],
+    ids=["presence", "frequency", "repetition", "logit_bias", "logprobs"],
+)
+async def test_penalty_and_logprob_requests_are_not_speculated(sampling: dict[str, Any]) -> None:
+    """Penalties and logprobs are computed per sampled position from the tokens before it, which
+    a draft position does not have: the servicer turns speculation off for such requests. The
+    same prompt without them is speculated on the same engine."""
+    from neuron_worker.servicer import WorkerServicer
+
+    engine, model = make_engine(overlap=True, limit=30, speculative=token_drafts(4))
+    model.rule = periodic
+    servicer = WorkerServicer(
+        engine,
+        TOK,
+        model_name="fake",
+        device="cpu",
+        max_prompt_tokens=200,
+        max_prompt_bytes=1 << 16,
+        tokenizer_threads=1,
+    )
+    prompt = worker_pb2.TokenIds(ids=make_request(1, constrained=False, max_tokens=1).prompt)
+    try:
+        reqs = [
+            await servicer._build(
+                worker_pb2.GenerateRequest(
+                    token_ids=prompt,
+                    sampling=worker_pb2.SamplingParams(max_tokens=30, **extra),
+                )
+            )
+            for extra in ({}, sampling)
+        ]
+        (_, _, plain), (_, _, asked) = await run(engine, reqs)
+    finally:
+        servicer.close()
+    assert plain.usage.draft_tokens > 0
+    assert asked.usage.completion_tokens == 30 and asked.usage.draft_tokens == 0
