@@ -54,6 +54,42 @@ def _digest(value: bytes) -> bytes:
     return hashlib.sha256(value).digest()
 
 
+KEY_PLACES = "maskwire.key_places"  # ASGI scope entry: the request's `KeyPlaces`
+
+
+class KeyPlaces:
+    """The places one admitted request holds in its API key's share: one from admission, `n`
+    once its choices are known (each choice holds a worker batch slot of its own)."""
+
+    def __init__(self, keys: ApiKeys, index: int) -> None:
+        self._keys = keys
+        self._index = index
+        self.held = 0
+        self._take(1)
+
+    def hold(self, choices: int) -> None:
+        """Hold `choices` places in all, or raise 429 when the key has too few left."""
+        extra = choices - self.held
+        if extra <= 0:
+            return
+        if self._keys.active.get(self._index, 0) + extra > self._keys.max_per_key:
+            if self._keys.on_reject is not None:
+                self._keys.on_reject("key_concurrency")
+            raise self._keys._overloaded()
+        self._take(extra)
+
+    def _take(self, n: int) -> None:
+        self._keys.active[self._index] = self._keys.active.get(self._index, 0) + n
+        self.held += n
+
+    def release(self) -> None:
+        active = self._keys.active
+        active[self._index] -= self.held
+        self.held = 0
+        if not active[self._index]:
+            del active[self._index]
+
+
 class ApiKeys:
     """Authentication and per-key admission for `/v1/*` (pure ASGI: streams keep their slot
     until the last byte is sent)."""
@@ -102,19 +138,20 @@ class ApiKeys:
             await self.app(scope, receive, send)
             return
         if self.active.get(index, 0) >= self.max_per_key:
-            err = errors.overloaded(
-                f"this API key is at its limit of {self.max_per_key} concurrent requests; "
-                "retry later"
-            )
-            await self._refuse(scope, receive, send, "key_concurrency", err)
+            await self._refuse(scope, receive, send, "key_concurrency", self._overloaded())
             return
-        self.active[index] = self.active.get(index, 0) + 1
+        places = KeyPlaces(self, index)
+        scope[KEY_PLACES] = places
         try:
             await self.app(scope, receive, send)
         finally:
-            self.active[index] -= 1
-            if not self.active[index]:
-                del self.active[index]
+            places.release()
+
+    def _overloaded(self) -> errors.APIError:
+        return errors.overloaded(
+            f"this API key is at its limit of {self.max_per_key} concurrent requests "
+            "(a request with `n` choices counts `n`); retry later"
+        )
 
     async def _refuse(
         self, scope: Scope, receive: Receive, send: Send, reason: str, err: errors.APIError

@@ -113,7 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-concurrency-per-key",
         type=int,
         default=64,
-        help="POST /v1 requests in flight per API key; more get 429 (default 64; 0: no cap)",
+        help="choices in flight per API key (a POST /v1 request with `n` choices counts n); more "
+        "get 429 (default 64; 0: no cap)",
     )
     add_client_tls_arguments(parser, "worker", "the workers")
 

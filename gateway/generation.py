@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import errors, schemas, sse
+from gateway.auth import KEY_PLACES
 from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 from gateway.metrics import GatewayMetrics
 from gateway.workers import WorkerPool
@@ -360,6 +361,9 @@ async def respond(
 ) -> Response:
     """Admit the request, start it on a worker, and answer with `stream`'s SSE body when given,
     else with the JSON `collect` builds. Errors before the first token are HTTP errors."""
+    places = request.scope.get(KEY_PLACES)
+    if places is not None:
+        places.hold(gen_request.n or 1)  # each choice holds a worker batch slot
     ctx.limiter.acquire()
     released = False
     try:

@@ -200,6 +200,37 @@ def test_a_stream_holds_its_key_slot_until_it_ends(fake: FakeWorkerServer) -> No
         assert sdk(tc, KEY_A).chat.completions.create(model=MODEL, messages=USER).choices
 
 
+def test_each_choice_counts_against_the_key(fake: FakeWorkerServer) -> None:
+    """`n` choices hold `n` worker batch slots, so they take `n` of the key's places: one key
+    cannot take a worker's slots with few requests of many choices."""
+    with gateway(fake, api_keys=(KEY_A, KEY_B), max_concurrency_per_key=4) as tc:
+        gate = _hold(fake)
+        before = len(fake.worker.requests)
+        held = threading.Thread(
+            target=lambda: sdk(tc, KEY_A).chat.completions.create(model=MODEL, messages=USER, n=3)
+        )
+        held.start()
+        try:
+            _wait_for(lambda: len(fake.worker.requests) > before)
+            asked = len(fake.worker.requests)
+            with pytest.raises(openai.RateLimitError) as e:  # 3 held + 2 > 4
+                sdk(tc, KEY_A).chat.completions.create(model=MODEL, messages=USER, n=2)
+            assert "counts `n`" in e.value.response.json()["error"]["message"]
+            assert len(fake.worker.requests) == asked  # refused before reaching a worker
+            fake.worker.reply = lambda _: Reply()
+            assert sdk(tc, KEY_A).chat.completions.create(model=MODEL, messages=USER).choices
+            other = sdk(tc, KEY_B).chat.completions.create(model=MODEL, messages=USER, n=4)
+            assert len(other.choices) == 4
+        finally:
+            gate.set()
+            held.join()
+        # Every place was given back: the key can hold its whole share again.
+        assert (
+            len(sdk(tc, KEY_A).chat.completions.create(model=MODEL, messages=USER, n=4).choices)
+            == 4
+        )
+
+
 # ------------------------------------------------------------------------------ key loading
 def test_load_keys_from_flags_files_and_env(tmp_path: Path) -> None:
     f = tmp_path / "keys"
