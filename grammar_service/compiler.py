@@ -17,7 +17,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +35,7 @@ from grammar_service.json_options import (
     strict_contradiction,
 )
 from grammar_service.json_options import forbid_additional_properties as _forbid
+from grammar_service.schema import metaschema
 from grammar_service.schema.checks import OutputChecks
 from grammar_service.schema.fallbacks import next_fallback
 from grammar_service.schema.layer import NeedsRuntime, grammar_keywords, prepare
@@ -158,11 +161,40 @@ def _json_options(opts: common_pb2.JsonOptions) -> dict[str, Any]:
 
 def _parse_json(text: str, field: str) -> Any:
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_no_number, parse_float=_float, parse_int=_int)
     except json.JSONDecodeError as e:
         raise _bad(field, f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     except RecursionError:
         raise _bad(field, "not valid JSON: nested too deeply") from None
+    except ValueError as e:  # a number the grammar compiler cannot read (below)
+        raise _bad(field, f"not valid JSON: {e}") from None
+
+
+# Numbers as llguidance reads them: NaN and Infinity are no JSON, and a number past a double's
+# range (1e999, a 400-digit integer) is refused by its parser; Python takes all three.
+def _no_number(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _out_of_range(text)
+    return value
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-").lstrip("0")) > 309:  # past 1e309 (and int() refuses 4300 digits)
+        raise _out_of_range(text)
+    value = int(text)
+    if abs(value) > sys.float_info.max:
+        raise _out_of_range(text)
+    return value
+
+
+def _out_of_range(text: str) -> ValueError:
+    shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
+    return ValueError(f"the number {shown} is out of range (beyond a double's, about 1.8e308)")
 
 
 def _prepare_schema(
@@ -178,6 +210,9 @@ def _prepare_schema(
             field, f"a JSON Schema must be an object or a boolean, got {type(value).__name__}"
         )
     shape.check_schema(value, field, bounds)
+    invalid = metaschema.problem(value)  # bounded above: linear in the schema
+    if invalid is not None:
+        raise _bad(field, str(invalid))
     if opts.additional_properties == common_pb2.ADDITIONAL_PROPERTIES_FORBID:
         closed: list[str] = []
         value = _forbid(copy.deepcopy(value), closed)
