@@ -35,11 +35,11 @@ from grammar_service.json_options import (
     strict_contradiction,
 )
 from grammar_service.json_options import forbid_additional_properties as _forbid
-from grammar_service.schema import metaschema
+from grammar_service.schema import formats, metaschema
 from grammar_service.schema.checks import OutputChecks
 from grammar_service.schema.fallbacks import next_fallback
-from grammar_service.schema.layer import NeedsRuntime, grammar_keywords, prepare
-from grammar_service.schema.report import Report
+from grammar_service.schema.layer import grammar_keywords, prepare
+from grammar_service.schema.report import Refused, Report
 from maskwire.rpc import RpcError
 from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import common_pb2
@@ -249,14 +249,16 @@ def _layer(
     *,
     runtime: bool,
     relax: frozenset[str],
+    lenient: bool = False,
 ) -> tuple[dict[str, Any], Report, dict[str, frozenset[str]]]:
     """The schema as llguidance gets it, the report, and the keywords to check on the output by
-    location; `runtime`: the output check exists."""
-    if mode == STRICT:
-        return schema, Report(mode=STRICT, grammar=grammar_keywords(schema)), {}
+    location; `runtime`: the output check exists; `lenient`: llguidance's option (strict mode)."""
     try:
+        if mode == STRICT:
+            formats.check_strict(schema, lenient)
+            return schema, Report(mode=STRICT, grammar=grammar_keywords(schema)), {}
         prepared = prepare(schema, COMPLETE, runtime=runtime, relax=relax)
-    except NeedsRuntime as e:
+    except Refused as e:
         raise RpcError(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"invalid {field}: {e}",
@@ -331,7 +333,13 @@ def _structural_tags_grammar(
         )
         # Tagged segments sit inside free text: no output check there, so no run-time keywords.
         schema, tag_report, _ = _layer(
-            schema, mode, f"{field}.json_schema", bounds, runtime=False, relax=relax
+            schema,
+            mode,
+            f"{field}.json_schema",
+            bounds,
+            runtime=False,
+            relax=relax,
+            lenient=opts.lenient,
         )
         report.grammar |= tag_report.grammar
         report.entries.extend((k, f"tags[{i}]{w}", h, d) for k, w, h, d in tag_report.entries)
@@ -391,7 +399,9 @@ def translate(
         if not constraint.json_schema.strip():
             raise _bad(field, "must not be empty")
         original = _prepare_schema(_parse_json(constraint.json_schema, field), opts, field, bounds)
-        schema, report, runtime = _layer(original, mode, field, bounds, runtime=True, relax=relax)
+        schema, report, runtime = _layer(
+            original, mode, field, bounds, runtime=True, relax=relax, lenient=opts.lenient
+        )
         checks = OutputChecks(original, runtime) if mode == COMPLETE else None
         return Translation(_json_grammar(schema, opts), report.to_proto(), checks)
     if kind == "json_object":
