@@ -31,6 +31,7 @@ from typing import Any
 import jsonschema
 
 from grammar_service.schema.keywords import child, children
+from grammar_service.schema.metaschema import DRAFT_NAMES
 from grammar_service.schema.report import Refused
 
 # Formats llguidance 1.9 compiles (others fail with "Unknown format"); `unknown` it ignores.
@@ -206,12 +207,12 @@ STEERS: dict[str, Steer] = {
 }
 
 
+_CHECKERS = jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers
+
+
 def checked_formats() -> frozenset[str]:
     """Formats jsonschema's 2020-12 checker enforces in this environment."""
     return frozenset(_CHECKERS)
-
-
-_CHECKERS = jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers
 
 
 @functools.cache
@@ -249,8 +250,7 @@ class Formats:
 
 def for_schema(schema: Any) -> Formats:
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    draft = cls.__name__.removesuffix("Validator").replace("Draft", "draft ")
-    return Formats(draft, dict(cls.FORMAT_CHECKER.checkers))
+    return Formats(DRAFT_NAMES.get(cls, cls.__name__), dict(cls.FORMAT_CHECKER.checkers))
 
 
 def check_strict(schema: Any, lenient: bool) -> None:

@@ -53,7 +53,7 @@ _ITEMS_TYPE = "maskwire:itemsType"  # `items: {"type": ...}`, checked without a 
 _PYTHON_TYPES = {"string": str, "object": dict, "array": list, "boolean": bool}
 _NAMED = frozenset({"properties", "patternProperties", "dependentSchemas", "dependencies"})
 _MEMO_LIMIT = 4096
-_DRAFT_NAMES = {
+DRAFT_NAMES = {
     jsonschema.Draft3Validator: "draft 3",
     jsonschema.Draft4Validator: "draft 4",
     jsonschema.Draft6Validator: "draft 6",
@@ -110,7 +110,7 @@ class _Draft:
 
     def __init__(self, cls: Any) -> None:
         meta = cls.META_SCHEMA
-        self.name = _DRAFT_NAMES.get(cls, "draft 2020-12")
+        self.name = DRAFT_NAMES.get(cls, "draft 2020-12")
         kinds = meta.get("type", "object")
         self.booleans = "boolean" in (kinds if isinstance(kinds, list) else [kinds])
         self.expected = "an object or a boolean" if self.booleans else "an object"
