@@ -134,8 +134,12 @@ def _reference(iri: bool) -> tuple[str, str]:
     tail = f"(?:\\?{query})?(?:#{fragment})?"
     scheme = "[A-Za-z][A-Za-z0-9+\\-.]*"
     uri = f"{scheme}:(?://{authority}{abempty}|{absolute}|{rootless}|){tail}"
-    relative = f"(?://{authority}{abempty}|{absolute}|{noscheme}|){tail}"
-    return uri, f"(?:{uri}|{relative})"
+    # URI | relative-ref, with what both allow written once (half the grammar for llguidance)
+    reference = (
+        f"(?:(?:{scheme}:)?(?://{authority}{abempty}|{absolute})?"
+        f"|{scheme}:{rootless}|{noscheme}){tail}"
+    )
+    return uri, reference
 
 
 URI, URI_REFERENCE = _reference(iri=False)
