@@ -94,7 +94,7 @@ def plan_chat(
     """Everything decided before the worker is called (400s are raised here)."""
     n = check_common(req, info, max_n)
     logprobs = lp.chat_request(req)
-    tp = tools.plan(req)
+    tp = tools.plan(req, max_json_depth)
     template = template_for(info, template_override)
     fmt = tool_format(template, tool_call_parser)
     spec = constraints.from_request(req, max_json_depth)

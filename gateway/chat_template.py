@@ -17,6 +17,7 @@ from gateway.input_check import parse_json_text
 from gateway.limits import DEFAULT_MAX_JSON_DEPTH
 from gateway.tool_formats import PastCall, ToolFormat
 from maskwire.chat_template import ChatTemplateError, check_template, render_chat
+from maskwire.text import truncate_echo
 
 
 class TemplateError(Exception):
@@ -77,11 +78,19 @@ def _text(content: str | list[schemas.ContentPart] | None, where: str) -> str:
 
 
 def _arguments_value(arguments: str, where: str, max_depth: int) -> Any:
-    """Templates with tool support expect arguments as a mapping (Hugging Face convention)."""
+    """Templates with tool support expect arguments as a mapping (Hugging Face convention).
+    Text that is not JSON is passed on as it is; JSON that is not an object is a 400."""
     try:
-        return parse_json_text(arguments, where, max_depth)
+        value = parse_json_text(arguments, where, max_depth)
     except json.JSONDecodeError:
         return arguments
+    if not isinstance(value, dict):
+        raise bad_request(
+            f"`{where}` must be a JSON object (the call's arguments by name), got "
+            f"{truncate_echo(arguments)!r}",
+            where,
+        )
+    return value
 
 
 def _arguments_text(arguments: str, where: str, max_depth: int) -> str:

@@ -1,7 +1,7 @@
 """`response_format` / `structured_outputs` / `guided_*` -> one `Constraint` proto.
 
-Only shape errors are caught here (two constraints at once, a schema that is not an object,
-an empty choice); whether a schema or grammar compiles is the grammar service's call, and its
+Only shape errors are caught here (two constraints at once, a schema that is not an object or a
+boolean, numbers JSON cannot carry, an empty choice); whether a schema or grammar compiles is the grammar service's call, and its
 field-level reasons come back through the worker as a 400.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from gateway import schemas
 from gateway.errors import bad_request
-from gateway.input_check import parse_json_text
+from gateway.input_check import check_numbers, parse_json_text
 from gateway.limits import DEFAULT_MAX_JSON_DEPTH
 from maskwire.v1 import common_pb2
 
@@ -51,11 +51,21 @@ def schema_text(schema: Any, param: str, max_depth: int = DEFAULT_MAX_JSON_DEPTH
             schema = parse_json_text(schema, param, max_depth)
         except json.JSONDecodeError as e:
             raise bad_request(f"the schema is not valid JSON: {e}", param) from e
+    else:
+        check_numbers(schema, param, max_depth)
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
-        raise bad_request("a JSON Schema must be an object", param)
+        raise bad_request(
+            f"a JSON Schema must be an object or a boolean, got {_json_type(schema)}", param
+        )
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {str: "a string", list: "an array", int: "a number", float: "a number"}[type(value)]
 
 
 def is_gbnf(grammar: str) -> bool:

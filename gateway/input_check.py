@@ -6,13 +6,18 @@ Python string that cannot be encoded as UTF-8: it would fail later, wherever the
 values exhaust Python's recursion limit in whatever walks them (copies, serializers, templates).
 Both are checked once, before the body is validated, and refused with a 400 that names the field.
 JSON documents sent as text inside a field (a schema as a string, tool-call arguments) get the
-same checks when they are parsed (`parse_json_text`).
+same checks when they are parsed (`parse_json_text`), and so do their numbers: `NaN`, `Infinity`
+and numbers past a double's range (`1e999`, a 400-digit integer) are no JSON any other service
+reads, so they are refused (400 `invalid_number`) there and in schemas sent as objects
+(`check_numbers`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
+import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -29,6 +34,11 @@ _QUOTE, _BRACKETS = ord('"'), b"[]{}"
 _MARKS = np.zeros(256, dtype=bool)  # the bytes that decide nesting: quotes and brackets
 _MARKS[[_QUOTE, *_BRACKETS]] = True
 _PARAM_NAMES = 3  # a depth error's `param`: the first names of the path (the field, not the leaf)
+_LARGEST = int(sys.float_info.max)  # an integer past it has no double: llguidance refuses it
+# Integer literals longer than this are out of range whatever their digits (and past 4300 digits
+# Python refuses to convert them at all): they parse as infinities, which the walk then names.
+_MAX_INT_DIGITS = 400
+_LONG_DIGITS = re.compile(rb"[0-9]{309}")  # the shortest integer that can be past _LARGEST
 
 Path = tuple[str | int, ...]
 
@@ -73,13 +83,23 @@ def _unencodable(raw: bytes, body: Any) -> bool:
     return False
 
 
-def check_value(value: Any, where: Path, max_depth: int) -> None:
-    """`check_body` for one parsed value found at `where` (a walk in Python)."""
-    found = _find_problem(value, max_depth)
+def check_value(value: Any, where: Path, max_depth: int, *, numbers: bool = False) -> None:
+    """`check_body` for one parsed value found at `where` (a walk in Python); `numbers`: also
+    refuse numbers JSON cannot carry (see the module docstring)."""
+    found = _find_problem(value, max_depth, numbers)
     if found is None:
         return
     kind, path = found
     full = (*where, *path)
+    if kind == "number":
+        name = truncate_echo(_path(full))
+        raise APIError(
+            400,
+            f"`{name}` holds a number JSON cannot carry ({truncate_echo(repr(_leaf(value, path)))}"
+            "): NaN, Infinity and numbers beyond a double's range (about 1.8e308) are refused",
+            param=name,
+            code="invalid_number",
+        )
     if kind == "depth":
         # The field that holds the deep value: JSON text's own field, or the body's first names.
         field = _path(where) if where else _path(_first_names(full))
@@ -102,36 +122,71 @@ def check_value(value: Any, where: Path, max_depth: int) -> None:
 
 
 def parse_json_text(text: str, where: str, max_depth: int) -> Any:
-    """`json.loads` for a JSON document sent inside a string field, with `check_value`'s checks.
+    """`json.loads` for a JSON document sent inside a string field, with `check_value`'s checks
+    (numbers included). Any JSON value may come back (a scalar too): callers check its type.
 
     Malformed JSON raises `json.JSONDecodeError` for the caller to report (or tolerate).
     """
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_int=_parse_int)
     except RecursionError:
         raise bad_request(
             f"`{where}` is nested too deeply to parse (the limit is {max_depth} levels)",
             where,
             code="nesting_too_deep",
         ) from None
-    check_value(value, (where,), max_depth)
+    check_value(value, (where,), max_depth, numbers=True)
     return value
+
+
+def check_numbers(value: Any, where: str, max_depth: int) -> None:
+    """400 `invalid_number` naming the path when `value` (parsed from the body) holds a number
+    JSON cannot carry. Decided at C speed (`json.dumps`); walked only to name the culprit."""
+    try:
+        text = json.dumps(value, allow_nan=False).encode()
+    except ValueError:  # NaN or an infinity somewhere
+        pass
+    else:
+        if _LONG_DIGITS.search(text) is None:
+            return
+    check_value(value, (where,), max_depth, numbers=True)
+
+
+def _parse_int(digits: str) -> int | float:
+    if len(digits) > _MAX_INT_DIGITS:
+        return -math.inf if digits.startswith("-") else math.inf
+    return int(digits)
+
+
+def _bad_number(value: Any) -> bool:
+    if type(value) is float:
+        return not math.isfinite(value)
+    return type(value) is int and not -_LARGEST <= value <= _LARGEST
+
+
+def _leaf(root: Any, path: Path) -> Any:
+    for part in path:
+        root = root[part]
+    return root
 
 
 def has_lone_surrogate(s: str) -> bool:
     return not s.isascii() and _LONE_SURROGATE.search(s) is not None
 
 
-def _find_problem(root: Any, max_depth: int) -> tuple[str, Path] | None:
-    """A container nested past `max_depth` ("depth"), or a string or key with a lone surrogate
-    ("text" / "key"), with its path; None when there is neither.
+def _find_problem(root: Any, max_depth: int, numbers: bool = False) -> tuple[str, Path] | None:
+    """A container nested past `max_depth` ("depth"), a string or key with a lone surrogate
+    ("text" / "key"), or with `numbers` a number JSON cannot carry ("number"), with its path;
+    None when there is none.
 
     Iterative (the walk itself cannot recurse), and lean: strings are checked in place and
     empty containers skipped, so only non-empty containers are kept, each with its parent
     (node n's path is parents[n] followed back to the root, built only for the culprit).
     """
-    if isinstance(root, str):
-        return ("text", ()) if has_lone_surrogate(root) else None
+    if type(root) is not dict and type(root) is not list:  # a scalar (JSON text can be one)
+        if isinstance(root, str):
+            return ("text", ()) if has_lone_surrogate(root) else None
+        return ("number", ()) if numbers and _bad_number(root) else None
     parents: list[tuple[int, str | int]] = [(-1, "")]
     stack: list[tuple[Any, int, int]] = [(root, 0, 1)]
     while stack:
@@ -149,6 +204,8 @@ def _find_problem(root: Any, max_depth: int) -> tuple[str, Path] | None:
             elif (kind is dict or kind is list) and (child or depth >= max_depth):
                 parents.append((node, key))
                 stack.append((child, len(parents) - 1, depth + 1))
+            elif numbers and (kind is float or kind is int) and _bad_number(child):
+                return "number", (*_unwind(parents, node), key)
     return None
 
 

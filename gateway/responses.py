@@ -56,6 +56,9 @@ class _Params:
             if k is not None:
                 return self.calls[j][int(k)] + rest
             return self.messages[j] + rest.replace(".tool_call_id", ".call_id")
+        m = re.fullmatch(r"(tools\[\d+\])\.function(\..*)", param)
+        if m is not None:  # Responses tools are flat: `tools[0].parameters`
+            return m[1] + m[2]
         for chat, responses in _RENAMED:
             if param == chat or param.startswith(chat + "."):
                 return responses + param[len(chat) :]

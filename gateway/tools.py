@@ -15,6 +15,8 @@ from typing import Any
 from gateway import schemas
 from gateway.constraints import json_options
 from gateway.errors import bad_request
+from gateway.input_check import check_numbers
+from gateway.limits import DEFAULT_MAX_JSON_DEPTH
 from maskwire.text import truncate_echo
 from maskwire.v1 import common_pb2
 
@@ -46,13 +48,17 @@ class ToolPlan:
         return next(t for t in self.tools if t.function.name == self.named)
 
 
-def plan(req: schemas.ChatCompletionRequest) -> ToolPlan:
-    """Resolve `tools` + `tool_choice` + `parallel_tool_calls` (400 on contradictions)."""
+def plan(req: schemas.ChatCompletionRequest, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> ToolPlan:
+    """Resolve `tools` + `tool_choice` + `parallel_tool_calls` (400 on contradictions, and on
+    numbers JSON cannot carry in a tool's `parameters`)."""
     tools = tuple(req.tools or ())
     parallel = req.parallel_tool_calls is not False
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("tool names must be unique", "tools")
+    for i, tool in enumerate(tools):
+        if tool.function.parameters:
+            check_numbers(tool.function.parameters, f"tools[{i}].function.parameters", max_depth)
     choice = req.tool_choice
     if isinstance(choice, schemas.NamedToolChoice):
         if choice.function.name not in names:

@@ -17,7 +17,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,10 +36,11 @@ from grammar_service.json_options import (
     strict_contradiction,
 )
 from grammar_service.json_options import forbid_additional_properties as _forbid
+from grammar_service.schema import formats, metaschema
 from grammar_service.schema.checks import OutputChecks
 from grammar_service.schema.fallbacks import next_fallback
-from grammar_service.schema.layer import NeedsRuntime, grammar_keywords, prepare
-from grammar_service.schema.report import Report
+from grammar_service.schema.layer import grammar_keywords, prepare
+from grammar_service.schema.report import Refused, Report
 from maskwire.rpc import RpcError
 from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import common_pb2
@@ -168,11 +171,40 @@ def _json_options(opts: common_pb2.JsonOptions) -> dict[str, Any]:
 
 def _parse_json(text: str, field: str) -> Any:
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_no_number, parse_float=_float, parse_int=_int)
     except json.JSONDecodeError as e:
         raise _bad(field, f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     except RecursionError:
         raise _bad(field, "not valid JSON: nested too deeply") from None
+    except ValueError as e:  # a number the grammar compiler cannot read (below)
+        raise _bad(field, f"not valid JSON: {e}") from None
+
+
+# Numbers as llguidance reads them: NaN and Infinity are no JSON, and a number past a double's
+# range (1e999, a 400-digit integer) is refused by its parser; Python takes all three.
+def _no_number(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _out_of_range(text)
+    return value
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-").lstrip("0")) > 309:  # past 1e309 (and int() refuses 4300 digits)
+        raise _out_of_range(text)
+    value = int(text)
+    if abs(value) > sys.float_info.max:
+        raise _out_of_range(text)
+    return value
+
+
+def _out_of_range(text: str) -> ValueError:
+    shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
+    return ValueError(f"the number {shown} is out of range (beyond a double's, about 1.8e308)")
 
 
 def _prepare_schema(
@@ -188,6 +220,9 @@ def _prepare_schema(
             field, f"a JSON Schema must be an object or a boolean, got {type(value).__name__}"
         )
     shape.check_schema(value, field, bounds)
+    invalid = metaschema.problem(value)  # bounded above: linear in the schema
+    if invalid is not None:
+        raise _bad(field, str(invalid))
     if opts.additional_properties == common_pb2.ADDITIONAL_PROPERTIES_FORBID:
         closed: list[str] = []
         value = _forbid(copy.deepcopy(value), closed)
@@ -224,14 +259,16 @@ def _layer(
     *,
     runtime: bool,
     relax: frozenset[str],
+    lenient: bool = False,
 ) -> tuple[dict[str, Any], Report, dict[str, frozenset[str]]]:
     """The schema as llguidance gets it, the report, and the keywords to check on the output by
-    location; `runtime`: the output check exists."""
-    if mode == STRICT:
-        return schema, Report(mode=STRICT, grammar=grammar_keywords(schema)), {}
+    location; `runtime`: the output check exists; `lenient`: llguidance's option (strict mode)."""
     try:
+        if mode == STRICT:
+            formats.check_strict(schema, lenient)
+            return schema, Report(mode=STRICT, grammar=grammar_keywords(schema)), {}
         prepared = prepare(schema, COMPLETE, runtime=runtime, relax=relax)
-    except NeedsRuntime as e:
+    except Refused as e:
         raise RpcError(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"invalid {field}: {e}",
@@ -306,7 +343,13 @@ def _structural_tags_grammar(
         )
         # Tagged segments sit inside free text: no output check there, so no run-time keywords.
         schema, tag_report, _ = _layer(
-            schema, mode, f"{field}.json_schema", bounds, runtime=False, relax=relax
+            schema,
+            mode,
+            f"{field}.json_schema",
+            bounds,
+            runtime=False,
+            relax=relax,
+            lenient=opts.lenient,
         )
         report.grammar |= tag_report.grammar
         report.entries.extend((k, f"tags[{i}]{w}", h, d) for k, w, h, d in tag_report.entries)
@@ -366,7 +409,9 @@ def translate(
         if not constraint.json_schema.strip():
             raise _bad(field, "must not be empty")
         original = _prepare_schema(_parse_json(constraint.json_schema, field), opts, field, bounds)
-        schema, report, runtime = _layer(original, mode, field, bounds, runtime=True, relax=relax)
+        schema, report, runtime = _layer(
+            original, mode, field, bounds, runtime=True, relax=relax, lenient=opts.lenient
+        )
         checks = OutputChecks(original, runtime) if mode == COMPLETE else None
         return Translation(_json_grammar(schema, opts), report.to_proto(), checks)
     if kind == "json_object":

@@ -5,7 +5,7 @@
 * the run-time keywords the layer registered, by their location in the original schema, and how
   an output location maps to schema locations that certainly apply there.
 
-Every validator resolves references through `guard.REGISTRY` (nothing outside the schema as sent,
+Every validator resolves references through `registry.OFFLINE` (nothing outside the schema as sent,
 never fetched) and matches patterns with RE2 (`patterns`), also where jsonschema's own keywords
 would use Python's backtracking `re` (`additionalProperties`, `unevaluatedProperties`, `format:
 regex`); `guard.check` refuses, before any of it runs, a schema it could not run that way.
@@ -29,6 +29,7 @@ from jsonschema.protocols import Validator
 from grammar_service.schema import guard
 from grammar_service.schema.keywords import canon, child, kinds_of, resolve, subschemas
 from grammar_service.schema.patterns import is_regex, search
+from grammar_service.schema.registry import OFFLINE
 
 # Child-location lookups remembered per schema (keys are output strings: bounded).
 _MEMO_LIMIT = 4096
@@ -430,5 +431,5 @@ def new_validator(schema: Any) -> Validator:
     """A validator of `schema` as the output check uses it: its draft, format checking on,
     patterns by RE2, references only inside the schema and the bundled metaschemas."""
     cls = validator_class(schema)
-    validator: Validator = cls(schema, format_checker=cls.FORMAT_CHECKER, registry=guard.REGISTRY)
+    validator: Validator = cls(schema, format_checker=cls.FORMAT_CHECKER, registry=OFFLINE)
     return validator

@@ -5,8 +5,8 @@ grammar never sees (under `not`, `if`, `$dynamicRef`). So before it exists:
 
 * every reference (`$ref`, `$dynamicRef`, `$recursiveRef`) must resolve inside the schema as sent
   (its JSON pointers, anchors and `$id`s) or to a draft's metaschema, which jsonschema bundles.
-  `REGISTRY` never retrieves anything: no URL is fetched and no file opened, at compile time or
-  while validating;
+  `registry.OFFLINE` never retrieves anything: no URL is fetched and no file opened, at compile
+  time or while validating;
 * every `pattern` and `patternProperties` key must run in RE2 (`patterns`), so no output can make
   a match backtrack.
 
@@ -21,25 +21,14 @@ from typing import Any
 
 import grpc
 import referencing.jsonschema
-from jsonschema_specifications import REGISTRY as SPECIFICATIONS
-from referencing import Registry, Resource
-from referencing.exceptions import NoSuchResource, Unresolvable
+from referencing.exceptions import Unresolvable
 
 from grammar_service.schema.keywords import subschemas
 from grammar_service.schema.patterns import PatternError, compiled
+from grammar_service.schema.registry import OFFLINE
 from maskwire.rpc import RpcError
 
 _REFERENCES = ("$ref", "$dynamicRef", "$recursiveRef")
-
-
-def _never_retrieve(uri: str) -> Resource[Any]:
-    raise NoSuchResource(ref=uri)  # type: ignore[call-arg]  # (attrs classes mypy cannot see)
-
-
-# Every validator of the output check resolves references through this registry (jsonschema adds
-# the bundled metaschemas to it): anything not in the schema is unresolvable, never fetched.
-REGISTRY: Registry[Any] = Registry(retrieve=_never_retrieve)  # type: ignore[call-arg]
-_METASCHEMAS: Registry[Any] = SPECIFICATIONS.combine(REGISTRY)
 
 
 def _refused(field: str, keyword: str, where: str, why: str, reason: str) -> RpcError:
@@ -88,7 +77,7 @@ def _check_references(nodes: list[_Node], field: str) -> None:
     """Every reference resolves in `REGISTRY` plus the schema, each against its base URI."""
     root = nodes[0].spec.create_resource(nodes[0].schema)
     base = root.id() or ""
-    registry = _METASCHEMAS.with_resource(base, root).crawl()
+    registry = OFFLINE.with_resource(base, root).crawl()
     resolvers: list[Any] = []
     for node in nodes:
         outer = resolvers[node.parent] if node.parent >= 0 else registry.resolver(base_uri=base)

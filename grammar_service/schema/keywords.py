@@ -127,19 +127,25 @@ def resolve(root: Any, pointer: str) -> Any:
 
 def subschemas(node: dict[str, Any], pointer: str) -> Iterator[tuple[str, str, Any]]:
     """(keyword, pointer, subschema) for every subschema directly inside `node`."""
+    for key, name, sub in children(node):
+        yield key, child(pointer, key) if name is None else child(pointer, key, name), sub
+
+
+def children(node: dict[str, Any]) -> Iterator[tuple[str, str | int | None, Any]]:
+    """`subschemas` without pointers: (keyword, member name or item index or None, subschema)."""
     for key, value in node.items():
         if key in MAP and isinstance(value, dict):
             for name, sub in value.items():
-                yield key, child(pointer, key, name), sub
+                yield key, name, sub
         elif key in MANY and isinstance(value, list):
             for i, sub in enumerate(value):
-                yield key, child(pointer, key, i), sub
+                yield key, i, sub
         elif key in ONE and isinstance(value, dict | bool):
-            yield key, child(pointer, key), value
+            yield key, None, value
         elif key == "dependencies" and isinstance(value, dict):
             for name, sub in value.items():
                 if isinstance(sub, dict | bool):
-                    yield key, child(pointer, key, name), sub
+                    yield key, name, sub
 
 
 def kinds_of(node: Any) -> frozenset[str] | None:

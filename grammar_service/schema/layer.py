@@ -28,7 +28,7 @@ from grammar_service.schema.keywords import (
     resolve,
     subschemas,
 )
-from grammar_service.schema.report import ANNOTATION, REWRITTEN, RUNTIME, Report
+from grammar_service.schema.report import ANNOTATION, REWRITTEN, RUNTIME, Refused, Report
 
 # Keywords the handlers below decide about (never copied as they are).
 _HANDLED = frozenset(
@@ -77,16 +77,15 @@ _APPLICATORS = frozenset(
 )
 
 
-class NeedsRuntime(Exception):
+class NeedsRuntime(Refused):
     """A keyword needs the output check, which this context (structural tags) does not have."""
 
     def __init__(self, keyword: str, location: str) -> None:
         super().__init__(
-            f"'{keyword}' at {location} can only be checked on the output, which structural tags "
-            "do not support"
+            keyword,
+            location,
+            "can only be checked on the output, which structural tags do not support",
         )
-        self.keyword = keyword
-        self.location = location
 
 
 @dataclass(frozen=True)
@@ -141,6 +140,7 @@ class _Walk:
         self.runtime_ok = runtime_ok
         self.relax_also = relax
         self.runtime: dict[str, set[str]] = {}
+        self.formats = formats.for_schema(root)
         self._recursive: dict[str, bool] = {}
         # Original pointer -> the prepared schema object made for it (each is made once).
         self.done: dict[str, dict[str, Any]] = {}
@@ -463,14 +463,25 @@ class _Walk:
         name = node.get("format")
         if not isinstance(name, str):
             return
-        how = formats.classify(name)
-        if how == "grammar":
-            out["format"] = name
-            self.report.grammar.add("format")
-        elif how == "runtime":
-            self.relax("format", ptr, f"'{name}': checked on the output")
-        else:
+        steer = self.formats.decide(name, ptr)
+        if steer is None:
             self.report.add("format", ptr, ANNOTATION, f"'{name}': unknown format, an annotation")
+            return
+        if steer.native:
+            out["format"] = steer.native
+        elif "pattern" in out:  # both must hold: llguidance intersects allOf members
+            extra.append({"pattern": f"^(?:{steer.pattern})$"})
+        else:
+            out["pattern"] = f"^(?:{steer.pattern})$"
+        if steer.max_length is not None:
+            given = out.get("maxLength")
+            out["maxLength"] = (
+                min(given, steer.max_length) if isinstance(given, int) else steer.max_length
+            )
+        if steer.native and steer.max_length is None:
+            self.report.grammar.add("format")
+        else:
+            self.report.add("format", ptr, REWRITTEN, steer.describe(name))
 
     def dynamic(
         self, node: dict[str, Any], ptr: str, out: dict[str, Any], extra: list[Any]

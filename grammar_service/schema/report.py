@@ -1,4 +1,5 @@
-"""The enforcement report: for one schema, how each keyword is enforced (`SchemaReport` proto)."""
+"""The enforcement report: for one schema, how each keyword is enforced (`SchemaReport` proto),
+and `Refused`, for a keyword the service cannot enforce at all."""
 
 from __future__ import annotations
 
@@ -14,6 +15,15 @@ ANNOTATION = common_pb2.ENFORCEMENT_ANNOTATION
 # Entries kept per report: a schema with thousands of rewritten places still gets a bounded answer
 # (the count of the rest is in `omitted`).
 MAX_ENTRIES = 256
+
+
+class Refused(Exception):
+    """A keyword at a location of the schema that cannot be enforced: the schema is refused."""
+
+    def __init__(self, keyword: str, location: str, why: str) -> None:
+        super().__init__(f"'{keyword}' at {location}: {why}")
+        self.keyword = keyword
+        self.location = location
 
 
 @dataclass

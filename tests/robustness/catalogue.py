@@ -939,6 +939,185 @@ COMPILE_INPUT_ACTION_CASES: list[ActionCase] = [
 ]
 
 
+# -- JSON where the gateway expects JSON text, schemas that are not schemas, formats -----------
+# A JSON scalar, a number JSON cannot carry, or a malformed schema keyword is a 400 naming the
+# field; every format the output check enforces is produced by the grammar, so an answer under
+# one never ends in a 500 after it was generated.
+
+
+def _earlier_call(arguments: str) -> dict[str, Any]:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return chat(
+        messages=[
+            {"role": "user", "content": "Call f."},
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "done"},
+        ]
+    )
+
+
+def _answer_validates(
+    schema: dict[str, Any], *, finishes: bool = False
+) -> Callable[[dict[str, Any]], None]:
+    """A finished answer validates against `schema`, formats checked. `finishes`: the case has
+    tokens enough to end, so `length` is a failure (else it is allowed: a cut answer)."""
+    import jsonschema
+
+    def check(body: dict[str, Any]) -> None:
+        choice = body["choices"][0]
+        if choice["finish_reason"] == "length" and not finishes:
+            return
+        assert choice["finish_reason"] == "stop", choice
+        value = json.loads(choice["message"]["content"])
+        checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+        jsonschema.Draft202012Validator(schema, format_checker=checker).validate(value)
+
+    return check
+
+
+def _string_with_format(name: str, **more: Any) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"value": {"type": "string", "format": name, **more}},
+        "required": ["value"],
+        "additionalProperties": False,
+    }
+
+
+ARGS = "messages[1].tool_calls[0].function.arguments"
+# The model answers with a sentence, which no such format admits: before formats were steered
+# by the grammar, a string checked only as it closed ran into its maxLength (a dead end: 500
+# `constraint_unsatisfied`) or on to the token limit.
+WEATHER = [{"role": "user", "content": "Describe the weather today in one sentence."}]
+
+
+def _format_case(name: str, max_length: int | None = None) -> HttpCase:
+    more = {} if max_length is None else {"maxLength": max_length}
+    schema = _string_with_format(name, **more)
+    body = {**schema_body(schema), "messages": WEATHER, "max_tokens": 48}
+    label = f"max-length-{max_length}" if max_length else "on-a-free-string"
+    return HttpCase(
+        f"format-{name}-{label}", body, 200, check=_answer_validates(schema, finishes=True)
+    )
+
+
+JSON_INPUT_HTTP_CASES: list[HttpCase] = [
+    HttpCase(
+        "schema-text-is-a-number",
+        chat(structured_outputs={"json": "5"}),
+        400,
+        None,
+        "structured_outputs.json",
+        message="must be an object or a boolean",
+    ),
+    HttpCase(
+        "guided-json-text-is-null",
+        chat(guided_json="null"),
+        400,
+        None,
+        "guided_json",
+        message="must be an object or a boolean",
+    ),
+    HttpCase("guided-json-text-is-true", chat(guided_json="true"), 200, check=_finished),
+    HttpCase(
+        "tool-call-arguments-1e999",
+        _earlier_call("1e999"),
+        400,
+        "invalid_number",
+        ARGS,
+    ),
+    HttpCase(
+        "tool-call-arguments-null",
+        _earlier_call("null"),
+        400,
+        None,
+        ARGS,
+        message="must be a JSON object",
+    ),
+    HttpCase(
+        "tool-call-arguments-nan-inside",
+        _earlier_call('{"x": NaN}'),
+        400,
+        "invalid_number",
+        f"{ARGS}.x",
+    ),
+    HttpCase(
+        "schema-maximum-nan",
+        raw_chat_with_schema('{"type": "number", "maximum": NaN}'),
+        400,
+        "invalid_number",
+        f"{SCHEMA_PARAM}.maximum",
+    ),
+    HttpCase(
+        "schema-text-integer-past-a-double",
+        chat(structured_outputs={"json": '{"maximum": ' + "9" * 400 + "}"}),
+        400,
+        "invalid_number",
+        "structured_outputs.json.maximum",
+    ),
+    HttpCase(
+        "schema-format-not-a-string",
+        schema_body({"type": "string", "format": ["date"]}),
+        400,
+        "invalid_constraint",
+        SCHEMA_PARAM,
+        message="not a valid JSON Schema (draft 2020-12): 'format' at #: ['date'] is not of type",
+    ),
+    HttpCase(
+        "schema-nested-keyword-invalid",
+        schema_body({"type": "object", "properties": {"a": {"type": "string", "minLength": -1}}}),
+        400,
+        "invalid_constraint",
+        SCHEMA_PARAM,
+        message="'minLength' at #/properties/a",
+    ),
+    HttpCase(
+        "tool-parameters-not-a-schema",
+        chat(
+            tools=[
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"type": "object", "required": "a"}},
+                }
+            ],
+            tool_choice="required",
+        ),
+        400,
+        "invalid_constraint",
+        "tools",
+        message="not a valid JSON Schema (draft 2020-12): 'required' at #",
+    ),
+    _format_case("uri-reference"),
+    _format_case("uri-reference", 20),
+    _format_case("iri", 20),
+    _format_case("json-pointer", 8),
+    _format_case("relative-json-pointer", 8),
+    _format_case("idn-email", 10),
+    HttpCase(
+        "format-draft3-color",
+        schema_body(
+            {
+                "$schema": "http://json-schema.org/draft-03/schema#",
+                "type": "object",
+                "properties": {"c": {"type": "string", "format": "color"}},
+            }
+        ),
+        400,
+        "unsupported_constraint",
+        SCHEMA_PARAM,
+        message="'format' at #/properties/c",
+    ),
+    HttpCase(
+        "format-llguidance-lacks-in-strict-mode",
+        {**schema_body(_string_with_format("uri-reference")), "schema_mode": "strict"},
+        400,
+        "unsupported_constraint",
+        SCHEMA_PARAM,
+        message="'format' at #/properties/value: llguidance has no format 'uri-reference'",
+    ),
+]
+
+
 def all_cases() -> list[Any]:
     from tests.robustness import hostile_grammars as hostile
     from tests.robustness import hostile_schemas
@@ -955,6 +1134,7 @@ def all_cases() -> list[Any]:
         *REQUEST_ID_ACTION_CASES,
         *COMPILE_INPUT_GRAMMAR_CASES,
         *COMPILE_INPUT_ACTION_CASES,
+        *JSON_INPUT_HTTP_CASES,
         *hostile.HTTP_CASES,
         *hostile.WORKER_CASES,
         *hostile.GRAMMAR_CASES,

@@ -588,7 +588,9 @@ def test_schema_layer_takes_what_the_grammar_cannot_and_says_so(
         assert len(tags) >= 2 and len(set(tags)) == len(tags), content
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, "x", response_format=rf, extra_body={"schema_mode": "strict"})
-    assert isinstance(e.value.body, dict) and "Unimplemented" in e.value.body["message"]
+    # strict mode refuses it: the unknown format first, naming where (then uniqueItems, ...)
+    assert isinstance(e.value.body, dict) and e.value.body["code"] == "unsupported_constraint"
+    assert "'format' at #/properties/version" in e.value.body["message"]
     strict = {
         "type": "json_schema",
         "json_schema": {

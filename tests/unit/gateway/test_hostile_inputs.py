@@ -148,6 +148,125 @@ def test_deep_json_text_is_400(http: TestClient) -> None:
     assert err["param"] == "structured_outputs.json" and err["code"] == "nesting_too_deep"
 
 
+def _call(arguments: str) -> dict[str, Any]:
+    return {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+
+
+def _earlier_call(arguments: str, **kw: Any) -> dict[str, Any]:
+    return chat(messages=[*USER, {"role": "assistant", "tool_calls": [_call(arguments)]}], **kw)
+
+
+ARGS = "messages[1].tool_calls[0].function.arguments"
+NOT_A_NUMBER = '{"type": "number", "maximum": NaN}'
+
+
+@pytest.mark.parametrize(
+    ("body", "path", "param", "code"),
+    [
+        # JSON text that is a scalar where an object (a schema, arguments) is expected
+        (chat(structured_outputs={"json": "5"}), "", "structured_outputs.json", None),
+        (chat(guided_json="null"), "", "guided_json", None),
+        (chat(guided_json="[1]"), "", "guided_json", None),
+        (_earlier_call("null"), "", ARGS, None),
+        (_earlier_call("5"), "", ARGS, None),
+        (_earlier_call('"text"', tools=[TOOL]), "", ARGS, None),
+        (
+            {"model": MODEL, "prompt": "x", "guided_json": "7"},
+            "/v1/completions",
+            "guided_json",
+            None,
+        ),
+        # numbers JSON cannot carry, as text or in objects of the body
+        (_earlier_call("1e999"), "", ARGS, "invalid_number"),
+        (_earlier_call('{"a": NaN}', tools=[TOOL]), "", f"{ARGS}.a", "invalid_number"),
+        (_earlier_call("9" * 5000), "", ARGS, "invalid_number"),
+        (
+            chat(structured_outputs={"json": NOT_A_NUMBER}),
+            "",
+            "structured_outputs.json.maximum",
+            "invalid_number",
+        ),
+        (chat(guided_json='{"minimum": -Infinity}'), "", "guided_json.minimum", "invalid_number"),
+        (
+            {
+                "model": MODEL,
+                "input": [
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "1e999"}
+                ],
+            },
+            "/v1/responses",
+            "input[0].arguments",
+            "invalid_number",
+        ),
+    ],
+)
+def test_json_text_of_the_wrong_kind_is_400_naming_the_field(
+    http: TestClient, body: dict[str, Any], path: str, param: str, code: str | None
+) -> None:
+    err = error(http, body, path or "/v1/chat/completions")
+    assert err["param"] == param and err["code"] == code, err
+
+
+@pytest.mark.parametrize(
+    ("raw", "path", "param"),
+    [
+        (
+            '{"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": '
+            '{"type": "number", "maximum": NaN}}}}',
+            "",
+            "response_format.json_schema.schema.maximum",
+        ),
+        (
+            '{"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": '
+            '"object", "properties": {"a": {"maximum": Infinity}}}}}]}',
+            "",
+            "tools[0].function.parameters.properties.a.maximum",
+        ),
+        (
+            '{"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": '
+            '"object", "properties": {"a": {"minimum": -1e999}}}}]}',
+            "/v1/responses",
+            "tools[0].parameters.properties.a.minimum",
+        ),
+        (
+            '{"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": '
+            '{"maximum": NaN}}}}',
+            "/v1/responses",
+            "text.format.schema.maximum",
+        ),
+        (
+            '{"prompt": "x", "guided_json": {"maximum": NaN}}',
+            "/v1/completions",
+            "guided_json.maximum",
+        ),
+    ],
+)
+def test_numbers_json_cannot_carry_in_body_schemas_are_400(
+    http: TestClient, fake: FakeWorkerServer, raw: str, path: str, param: str
+) -> None:
+    """Python's JSON parser reads `NaN`, `Infinity` and `1e999` in a body: a schema holding one
+    never reaches a worker (it would travel as text no other parser reads)."""
+    seen = len(fake.worker.requests)
+    head = f'{{"model": "{MODEL}", ' + (
+        '"messages": [{"role": "user", "content": "hi"}], ' if not path else ""
+    )
+    r = http.post(
+        path or "/v1/chat/completions",
+        content=head + raw[1:],
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == "invalid_number", err
+    assert len(fake.worker.requests) == seen
+
+
+def test_boolean_schema_text_and_object_arguments_pass(http: TestClient) -> None:
+    for body in (chat(guided_json="true"), _earlier_call('{"a": 1e300}', tools=[TOOL])):
+        status, answer = post(http, body)
+        assert status == 200, answer
+
+
 def test_prompt_over_max_prompt_bytes_is_400(http: TestClient, fake: FakeWorkerServer) -> None:
     seen = len(fake.worker.requests)
     err = error(http, chat(messages=[{"role": "user", "content": "é" * 3000}]))

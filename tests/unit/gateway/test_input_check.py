@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 
 from gateway.errors import APIError
-from gateway.input_check import _nesting_depth, check_body, check_value, parse_json_text
+from gateway.input_check import (
+    _nesting_depth,
+    check_body,
+    check_numbers,
+    check_value,
+    parse_json_text,
+)
 
 
 def nested(depth: int) -> Any:
@@ -95,6 +101,49 @@ def test_json_text_in_a_field() -> None:
     assert err.param == "structured_outputs.json"
     err = refusal(parse_json_text, '{"d": "\\ud800"}', "guided_json", 64)
     assert err.param == "guided_json.d" and err.code == "invalid_unicode"
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("5", 5), ("true", True), ("null", None), ('"s"', "s"), ("-0.5", -0.5), ("1e308", 1e308)],
+)
+def test_json_text_may_be_any_scalar(text: str, value: Any) -> None:
+    assert parse_json_text(text, "guided_json", 64) == value
+
+
+@pytest.mark.parametrize(
+    ("text", "param"),
+    [
+        ("NaN", "f"),
+        ("-Infinity", "f"),
+        ("1e999", "f"),
+        ("-1e400", "f"),
+        ("9" * 309, "f"),  # past the largest double
+        ("9" * 5000, "f"),  # past what Python converts at all
+        ('{"a": [1, {"b": NaN}]}', "f.a[1].b"),
+        ('{"maximum": 1e999}', "f.maximum"),
+    ],
+)
+def test_numbers_json_cannot_carry_are_named(text: str, param: str) -> None:
+    err = refusal(parse_json_text, text, "f", 64)
+    assert err.code == "invalid_number" and err.param == param, err.message
+    assert len(err.message) < 1000
+
+
+def test_numbers_in_range_pass() -> None:
+    big = "1" + "0" * 300
+    assert parse_json_text(f"[{big}, 1e-999, -1.7e308]", "f", 64) == [int(big), 0.0, -1.7e308]
+
+
+def test_numbers_of_values_from_the_body() -> None:
+    check_numbers({"maximum": 10**300, "d": "9" * 400}, "s", 64)  # long digits in a string pass
+    for value, param in (
+        ({"maximum": float("nan")}, "s.maximum"),
+        ({"anyOf": [{"minimum": -float("inf")}]}, "s.anyOf[0].minimum"),
+        ({"maximum": 10**400}, "s.maximum"),
+    ):
+        err = refusal(check_numbers, value, "s", 64)
+        assert err.code == "invalid_number" and err.param == param
 
 
 @pytest.mark.parametrize(

@@ -121,11 +121,13 @@ async def test_replay_goes_through_the_output_check(tok: Tokenizer) -> None:
 
 
 async def test_a_complete_output_that_does_not_validate_is_not_a_success(tok: Tokenizer) -> None:
-    s, _ = await opened(tok, {"type": "string", "format": "date"})
-    res = step(s, '"2021-02-28"', 0)
-    assert res.rows[0].status == OK and res.rows[0].finished and res.rows[0].accepting
-    s, _ = await opened(tok, {"type": "string", "format": "date"})
-    res = step(s, '"2021-02-29"', 0)  # llguidance's date grammar lets it through
+    # llguidance checks multipleOf in decimal; jsonschema divides floats (0.3 / 0.1 is not 3).
+    tenths = {"type": "number", "multipleOf": 0.1}
+    s, _ = await opened(tok, tenths)
+    res = step(s, "0.2", 0)
+    assert res.rows[0].status == OK and res.rows[0].accepting
+    s, _ = await opened(tok, tenths)
+    res = step(s, "0.3", 0)  # the grammar lets it through
     err = RpcError.from_status(res.rows[0].error)
     assert err.reason == "CONSTRAINT_UNSATISFIABLE" and "does not validate" in err.message
 
