@@ -707,7 +707,7 @@ SCENARIOS.update(
 def shared_compile_cancel(stack: Stack) -> None:
     """Two clients compile one slow constraint; the first cancels; the second gets its compile,
     its Open, and an unrelated request on its stream answered."""
-    slow = shared_compile.choices(seed=7, n=30_000)
+    slow = shared_compile.choices(seed=7, n=100_000)
     shared_compile.cancel_one_caller_of_a_shared_compile(
         stack.grammar.address, stack.tokenizer, slow
     )

@@ -73,7 +73,7 @@ def cancel_one_caller_of_a_shared_compile(
         first = grammar_pb2_grpc.GrammarServiceStub(first_ch).Compile.future(
             compile_request(tok, slow), timeout=60
         )
-        time.sleep(0.3)  # the first caller's compile is running
+        time.sleep(0.05)  # the first caller's compile is running
         second = grammar_pb2_grpc.GrammarServiceStub(second_ch).Compile.future(
             compile_request(tok, slow), timeout=30
         )
@@ -83,7 +83,7 @@ def cancel_one_caller_of_a_shared_compile(
             target=lambda: opened.append(stream.send(open_msg(tok, "same", slow)))
         )
         opener.start()
-        time.sleep(0.3)  # both wait for the same compile
+        time.sleep(0.1)  # both wait for the same compile
         assert first.cancel(), "the compile ended before the first caller could cancel"
         answer = second.result()
         opener.join(30)
