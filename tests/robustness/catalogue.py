@@ -766,7 +766,7 @@ def _bad_token(name: str, token: int) -> HttpCase:
     )
 
 
-ISSUE18_HTTP_CASES: list[HttpCase] = [
+INPUT_BOUNDS_HTTP_CASES: list[HttpCase] = [
     _surrogate(
         "content", chat(messages=[{"role": "user", "content": LONE}]), "messages[0].content"
     ),
@@ -826,7 +826,7 @@ ISSUE18_HTTP_CASES: list[HttpCase] = [
     ),
 ]
 
-ISSUE18_WORKER_CASES: list[WorkerCase] = [
+INPUT_BOUNDS_WORKER_CASES: list[WorkerCase] = [
     WorkerCase("text-over-max-prompt-bytes", gen("x" * (ONE_MIB + 1)), IA, field="prompt"),
     WorkerCase("token-ids-100k", ids(*[1] * 100_000), IA, field="prompt"),
     WorkerCase(
@@ -853,7 +853,7 @@ ISSUE18_WORKER_CASES: list[WorkerCase] = [
     ),
 ]
 
-ISSUE18_ACTION_CASES: list[ActionCase] = [
+INPUT_BOUNDS_ACTION_CASES: list[ActionCase] = [
     ActionCase("gateway-echoes-of-huge-input-are-bounded", "gateway", "bounded_echoes"),
     ActionCase("gateway-5mb-prompt-keeps-health", "gateway", "big_prompt_through_gateway"),
     ActionCase("worker-concurrent-big-prompts-keep-health", "worker", "big_prompts_at_worker"),
@@ -1127,9 +1127,9 @@ def all_cases() -> list[Any]:
         *WORKER_CASES,
         *GRAMMAR_CASES,
         *ACTION_CASES,
-        *ISSUE18_HTTP_CASES,
-        *ISSUE18_WORKER_CASES,
-        *ISSUE18_ACTION_CASES,
+        *INPUT_BOUNDS_HTTP_CASES,
+        *INPUT_BOUNDS_WORKER_CASES,
+        *INPUT_BOUNDS_ACTION_CASES,
         *REQUEST_ID_WORKER_CASES,
         *REQUEST_ID_ACTION_CASES,
         *COMPILE_INPUT_GRAMMAR_CASES,
