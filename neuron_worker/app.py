@@ -33,7 +33,7 @@ from neuron_worker.scheduler import parse_buckets, pow2_buckets
 from neuron_worker.servicer import WorkerServicer
 from neuron_worker.step_device import StepDevice, StepDeviceLike
 from neuron_worker.thread_governor import GovernorConfig, ThreadGovernor
-from neuron_worker.tuning import cache_use, use_compile_cache
+from neuron_worker.tuning import Tuning, cache_use, use_compile_cache
 from neuron_worker.tuning import resolve as resolve_tuning
 
 if TYPE_CHECKING:
@@ -139,6 +139,55 @@ def draft_config(args: argparse.Namespace) -> DraftConfig | None:
         raise SystemExit(f"--speculative ngram: {e}") from None
 
 
+def resolve_settings(args: argparse.Namespace) -> Tuning:
+    """The settings the flags resolve to (`neuron_worker.tuning.resolve`): what the worker runs."""
+    return resolve_tuning(
+        device=args.device,
+        spec=args.model,
+        dtype=args.dtype,
+        compile=args.compile,
+        quantize=args.quantize,
+        warmup=args.warmup,
+        compile_cache=args.compile_cache,
+        overlap=args.overlap,
+        tensor_parallel=args.tensor_parallel_size,
+        cuda_graphs=args.cuda_graphs,
+    )
+
+
+def use_caches(args: argparse.Namespace, tuning: Tuning) -> Path | None:
+    """Point the compiled graphs and the kernels at the compile cache; returns the directory of
+    this worker's graphs (None: not compiled, or no usable cache). With adaptive threads on CPU,
+    generated kernels read the team size when they run (not when compiled), so the thread
+    governor's size holds for them too, and graphs (keyed by it) are not shared with others."""
+    if args.adaptive_threads and args.device == "cpu":
+        torch._inductor.config.cpp.dynamic_threads = True
+    cache = use_compile_cache(ranges_dir(tuning.compile_cache, args)) if tuning.compile else None
+    if tuning.compile_cache is not None:
+        kernels.set_kernel_dir(tuning.compile_cache / "kernels")
+    return cache
+
+
+def load_worker_model(args: argparse.Namespace, tuning: Tuning, backend: Backend) -> Transformer:
+    """The model as the worker serves it: `args.model` in the settings' dtype, with the serving
+    kernels and the settings' quantization (a sharded model gets those after sharding)."""
+    from neuron_worker.model import load_model
+
+    return load_model(
+        args.model,
+        device=backend.device,
+        dtype=tuning.dtype,
+        serving=args.tensor_parallel_size == 1,
+        quantize=tuning.quantize,
+    ).eval()
+
+
+def graph_dir(cache: Path | None, backend: Backend) -> Path | None:
+    """Where the forward graphs are saved whole, to load without re-tracing the model. CPU
+    only: torch's precompile API has not run on the other devices here."""
+    return cache / "graphs" if cache is not None and backend.name == "cpu" else None
+
+
 def build_step_device(
     model: Transformer,
     backend: Backend,
@@ -178,47 +227,20 @@ async def serve(
     grammar_tls: ClientTLS | None = None,
 ) -> int:
     """Run the worker; `credentials` make its port TLS/mTLS, `grammar_tls` its grammar channels."""
-    from neuron_worker.model import load_model
-
     if args.tensor_parallel_size < 1:
         raise SystemExit("--tensor-parallel-size must be >= 1")
     # torch sizes its pool to the node; a container's CPU limit caps it (see maskwire.cpus).
     torch.set_num_threads(args.threads or rank_threads(args.tensor_parallel_size))
     began = time.perf_counter()
-    tuning = resolve_tuning(
-        device=args.device,
-        spec=args.model,
-        dtype=args.dtype,
-        compile=args.compile,
-        quantize=args.quantize,
-        warmup=args.warmup,
-        compile_cache=args.compile_cache,
-        overlap=args.overlap,
-        tensor_parallel=args.tensor_parallel_size,
-        cuda_graphs=args.cuda_graphs,
-    )
-    cache = use_compile_cache(ranges_dir(tuning.compile_cache, args)) if tuning.compile else None
-    if tuning.compile_cache is not None:
-        kernels.set_kernel_dir(tuning.compile_cache / "kernels")
+    tuning = resolve_settings(args)
+    cache = use_caches(args, tuning)
     log.info("worker settings: %s; %d threads", tuning.describe(), torch.get_num_threads())
     tokenizer = load_tokenizer(args.model)
-    if args.adaptive_threads and args.device == "cpu":
-        # Generated C++ kernels read the team size when they run, not when they were compiled, so
-        # the governor's size holds for them too.
-        torch._inductor.config.cpp.dynamic_threads = True
     backend = create_backend(args.device, compile=tuning.compile, cuda_graphs=tuning.cuda_graphs)
     tp = args.tensor_parallel_size
     # From here on torch runs on the device thread only (`neuron_worker.device_thread`: a second
     # thread running torch doubles the forward's time on a small machine).
-    model = await device_thread.run(
-        lambda: load_model(
-            args.model,
-            device=backend.device,
-            dtype=tuning.dtype,
-            serving=tp == 1,  # a sharded model gets its serving kernels after sharding
-            quantize=tuning.quantize,
-        ).eval()
-    )
+    model = await device_thread.run(lambda: load_worker_model(args, tuning, backend))
     config = engine_config(
         args,
         int(model.config.max_seq_len),
@@ -241,9 +263,7 @@ async def serve(
                 config,
                 vocab_size=tokenizer.vocab_size,
                 eos_ids=tuple(tokenizer.eos_token_ids),
-                # Saved whole, the forward graphs load without re-tracing the model. CPU only:
-                # torch's precompile API has not run on the other devices here.
-                graph_dir=cache / "graphs" if cache is not None and backend.name == "cpu" else None,
+                graph_dir=graph_dir(cache, backend),
             )
         )
 
