@@ -43,21 +43,42 @@ def name_this_thread(name: str = TEAM_NAME) -> None:
     libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
+# (name, tasks dir) -> (when scanned, the team's schedstat files): the governor reads the wait
+# around every device call, so the thread list (every thread's `comm`) is scanned once a second,
+# not per call.
+_teams: dict[tuple[str, Path], tuple[float, list[Path]]] = {}
+_RESCAN_S = 1.0
+
+
 def team_run_delay_ns(name: str = TEAM_NAME, tasks: Path = Path("/proc/self/task")) -> int:
     """Nanoseconds the threads named `name` have spent runnable but waiting for a CPU."""
+    now = time.monotonic()
+    scanned, files = _teams.get((name, tasks), (-_RESCAN_S, []))
+    if now - scanned >= _RESCAN_S:
+        files = _team_files(name, tasks)
+        _teams[(name, tasks)] = (now, files)
     total = 0
-    try:
-        entries = list(tasks.iterdir())
-    except OSError:
-        return 0
-    for task in entries:
+    for stat in files:
         try:
-            if (task / "comm").read_text().strip() != name:
-                continue
-            total += int((task / "schedstat").read_text().split()[1])
+            total += int(stat.read_text().split()[1])
         except (OSError, ValueError, IndexError):  # the thread ended meanwhile
             continue
     return total
+
+
+def _team_files(name: str, tasks: Path) -> list[Path]:
+    try:
+        entries = list(tasks.iterdir())
+    except OSError:
+        return []
+    found = []
+    for task in entries:
+        try:
+            if (task / "comm").read_text().strip() == name:
+                found.append(task / "schedstat")
+        except OSError:  # the thread ended meanwhile
+            continue
+    return found
 
 
 @dataclass(frozen=True)
