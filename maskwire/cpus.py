@@ -52,17 +52,37 @@ def cgroup_cpu_quota(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) 
 def cgroup_throttled_ns(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int | None:
     """Nanoseconds this process's cgroup has spent throttled by its CPU quota so far (v2
     `throttled_usec`, v1 `throttled_time`), or None when it cannot be read."""
+    source = throttle_source(root, proc_cgroup)
+    return None if source is None else read_throttled_ns(source)
+
+
+ThrottleSource = tuple[Path, str, int]  # cpu.stat file, its throttled-time key, ns per unit
+
+
+def throttle_source(
+    root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP
+) -> ThrottleSource | None:
+    """Where this process's cgroup counts its throttled time (resolving it reads
+    `/proc/self/cgroup`: callers that read often keep the answer)."""
     candidates = [(g, "throttled_usec", 1000) for g in _v2_groups(root, proc_cgroup)]
     candidates += [(g, "throttled_time", 1) for g in _v1_groups(root, proc_cgroup)]
     for group, key, scale in candidates:
-        try:
-            lines = (group / "cpu.stat").read_text().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            name, _, value = line.partition(" ")
-            if name == key and value.strip().isdigit():
-                return int(value) * scale
+        source = (group / "cpu.stat", key, scale)
+        if read_throttled_ns(source) is not None:
+            return source
+    return None
+
+
+def read_throttled_ns(source: ThrottleSource) -> int | None:
+    path, key, scale = source
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value) * scale
     return None
 
 

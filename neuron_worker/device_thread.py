@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -51,17 +51,18 @@ def govern(governor: ThreadGovernor | None) -> None:
     _governor = governor
 
 
-def _governed(fn: Callable[[], T]) -> T:
+def _governed(fn: Callable[[], T], key: Hashable) -> T:
     governor = _governor
     if governor is None:
         return fn()
-    token = governor.before()
+    token = governor.before(key)
     try:
         return fn()
     finally:
         governor.after(token)
 
 
-async def run(fn: Callable[[], T]) -> T:
-    """Run `fn` on the device thread and await its result."""
-    return await asyncio.get_running_loop().run_in_executor(executor(), _governed, fn)
+async def run(fn: Callable[[], T], key: Hashable = None) -> T:
+    """Run `fn` on the device thread and await its result. `key`: calls with equal keys do the
+    same work (the governor compares team sizes on them)."""
+    return await asyncio.get_running_loop().run_in_executor(executor(), _governed, fn, key)

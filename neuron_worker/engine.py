@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -232,8 +232,8 @@ class Engine:
         if self.lost is None:
             await self._on_device(self.device.close)
 
-    async def _on_device(self, fn: Callable[[], T]) -> T:
-        return await device_thread.run(fn)
+    async def _on_device(self, fn: Callable[[], T], key: Hashable = None) -> T:
+        return await device_thread.run(fn, key)
 
     # ------------------------------------------------------------------ requests in and out
     async def submit(self, req: Request) -> list[str]:
@@ -873,7 +873,9 @@ class Engine:
             row.req.forward_passes += 1
         p = Pass(tokens, pos, slots, last, kv_len, prefill=kind == "prefill")
         began = time.perf_counter()
-        logits = await self._on_device(lambda: self.device.forward(p))
+        logits = await self._on_device(
+            lambda: self.device.forward(p), ("forward", p.tokens.shape, p.prefill)
+        )
         self.metrics.forward(kind, time.perf_counter() - began)
         return logits
 
@@ -951,7 +953,7 @@ class Engine:
             return self.device.sample(logits, batch)
 
         began = time.perf_counter()
-        result = await self._on_device(run)
+        result = await self._on_device(run, ("sample", n))
         self.metrics.sample(time.perf_counter() - began)
         return result
 

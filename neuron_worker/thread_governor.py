@@ -10,10 +10,14 @@ CPUs that are really free, has no such wait.
 its first parallel region, and the OpenMP threads it starts inherit the name): per device call, the
 time the team's threads were runnable but not running (Linux schedstat `run_delay`), less what a
 cgroup CPU quota's throttling explains (a throttled group waits as a whole, which costs no region
-more than its share). When that stall passes `shrink_at` of the calls' wall time, the team shrinks
-by the threads' worth of time it lost (at least one). While shrunk, it tries the full team again
-now and then and keeps it when the stall has gone; each failed try doubles the wait before the
-next (up to `max_probe_interval_s`), so a lasting neighbour costs a few slow calls a minute.
+more than its share). That stall is only the cue: a stall can also come from the stack's own
+grammar service or gateway, whose bursts cost the team less than a thread would. When it passes
+`shrink_at` of the calls' wall time, the governor tries a team smaller by the threads' worth of
+time it lost and keeps it only if the same calls (equal keys: the same pass shape) ran faster
+than just before; otherwise it goes back and waits before trying again. While shrunk, it tries
+the full team now and then and keeps it when that is faster. Each failed try doubles the wait
+before the next (up to `max_probe_interval_s`), so a lasting condition costs a few slow calls a
+minute.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
-from maskwire.cpus import cgroup_throttled_ns
+from maskwire.cpus import ThrottleSource, cgroup_cpu_quota, read_throttled_ns, throttle_source
 
 log = logging.getLogger(__name__)
 
@@ -43,30 +48,44 @@ def name_this_thread(name: str = TEAM_NAME) -> None:
     libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
-# (name, tasks dir) -> (when scanned, the team's schedstat files): the governor reads the wait
-# around every device call, so the thread list (every thread's `comm`) is scanned once a second,
-# not per call.
-_teams: dict[tuple[str, Path], tuple[float, list[Path]]] = {}
+# The governor reads the team's wait around every device call, so what is costly to find (every
+# thread's `comm`, this process's cgroup) is looked up once a second, not per call.
 _RESCAN_S = 1.0
+_teams: dict[tuple[str, Path], tuple[float, list[int]]] = {}  # -> (when scanned, schedstat fds)
+_throttle: tuple[float, ThrottleSource | None] = (-_RESCAN_S, None)  # (when looked up, source)
 
 
 def team_run_delay_ns(name: str = TEAM_NAME, tasks: Path = Path("/proc/self/task")) -> int:
     """Nanoseconds the threads named `name` have spent runnable but waiting for a CPU."""
     now = time.monotonic()
-    scanned, files = _teams.get((name, tasks), (-_RESCAN_S, []))
+    scanned, fds = _teams.get((name, tasks), (-_RESCAN_S, []))
     if now - scanned >= _RESCAN_S:
-        files = _team_files(name, tasks)
-        _teams[(name, tasks)] = (now, files)
+        for fd in fds:
+            os.close(fd)
+        fds = _team_stat_fds(name, tasks)
+        _teams[(name, tasks)] = (now, fds)
     total = 0
-    for stat in files:
-        try:
-            total += int(stat.read_text().split()[1])
+    for fd in fds:
+        try:  # kept open: a pread is ~1 us where opening the file again is ~15
+            total += int(os.pread(fd, 128, 0).split()[1])
         except (OSError, ValueError, IndexError):  # the thread ended meanwhile
             continue
     return total
 
 
-def _team_files(name: str, tasks: Path) -> list[Path]:
+def quota_throttled_ns() -> int | None:
+    """Nanoseconds this process's cgroup has been throttled by a CPU quota; None without a quota
+    (then nothing throttles it) or when it cannot be read."""
+    global _throttle
+    now = time.monotonic()
+    looked_up, source = _throttle
+    if now - looked_up >= _RESCAN_S:
+        source = throttle_source() if cgroup_cpu_quota() is not None else None
+        _throttle = (now, source)
+    return None if source is None else read_throttled_ns(source)
+
+
+def _team_stat_fds(name: str, tasks: Path) -> list[int]:
     try:
         entries = list(tasks.iterdir())
     except OSError:
@@ -75,7 +94,7 @@ def _team_files(name: str, tasks: Path) -> list[Path]:
     for task in entries:
         try:
             if (task / "comm").read_text().strip() == name:
-                found.append(task / "schedstat")
+                found.append(os.open(task / "schedstat", os.O_RDONLY | os.O_CLOEXEC))
         except OSError:  # the thread ended meanwhile
             continue
     return found
@@ -84,16 +103,19 @@ def _team_files(name: str, tasks: Path) -> list[Path]:
 @dataclass(frozen=True)
 class GovernorConfig:
     full: int  # the team's size with the CPUs to itself
-    shrink_at: float = 0.3  # stall, as a share of the calls' wall time, that shrinks the team
-    window_s: float = 0.2  # device-call time a decision is based on
-    first_probe_s: float = 2.0
+    shrink_at: float = 0.3  # stall, as a share of the calls' wall time, that starts a trial
+    window_s: float = 0.2  # device-call time a measurement is based on
+    first_probe_s: float = 2.0  # wait before trying the full team again (or a smaller one)
     max_probe_interval_s: float = 32.0
 
 
-class ThreadGovernor:
-    """Sizes the intra-op team from the stall measured around device calls.
+Key = Hashable  # calls with equal keys do the same work (the pass's shape)
 
-    Call `before()` and `after(token)` around each device call, on the device thread (the team
+
+class ThreadGovernor:
+    """Sizes the intra-op team by measured progress, with the stall as the cue to measure.
+
+    Call `before(key)` and `after(token)` around each device call, on the device thread (the team
     size is set there, between calls). Readers and the setter are injected for tests."""
 
     def __init__(
@@ -103,7 +125,7 @@ class ThreadGovernor:
         *,
         clock: Callable[[], int] = time.monotonic_ns,
         run_delay: Callable[[], int] = team_run_delay_ns,
-        throttled: Callable[[], int | None] = cgroup_throttled_ns,
+        throttled: Callable[[], int | None] = quota_throttled_ns,
     ) -> None:
         self.config = config
         self.threads = config.full
@@ -112,87 +134,151 @@ class ThreadGovernor:
         self._run_delay = run_delay
         self._throttled = throttled
         self._window = _Window()
-        self._probing = False
-        self._next_probe_ns = 0
+        self._last: _Window | None = None  # the last complete window at the current size
+        self._trial: _Trial | None = None
+        self._next_trial_ns = 0  # no smaller team is tried before this (full team)
+        self._next_probe_ns = 0  # the full team is tried again at this time (shrunk team)
         self._interval_ns = _ns(config.first_probe_s)
         self.shrinks = 0
         self.probes = 0
+        self.trials = 0
 
-    def before(self) -> tuple[int, int, int]:
-        due = self.threads < self.config.full and self._clock() >= self._next_probe_ns
-        if due and not self._probing:
-            self._probing = True
+    def before(self, key: Key = None) -> tuple[Key, int, int, int]:
+        shrunk = self.threads < self.config.full
+        if shrunk and self._trial is None and self._clock() >= self._next_probe_ns:
             self.probes += 1
-            self._resize(self.config.full)
-        return self._clock(), self._run_delay(), self._throttled() or 0
+            self._start_trial(self.config.full)
+        return key, self._clock(), self._run_delay(), self._throttled() or 0
 
-    def after(self, token: tuple[int, int, int]) -> None:
-        began, delay0, throttled0 = token
+    def after(self, token: tuple[Key, int, int, int]) -> None:
+        key, began, delay0, throttled0 = token
         wall = self._clock() - began
         delay = self._run_delay() - delay0
         throttled = (self._throttled() or 0) - throttled0
-        self._window.add(wall, delay, throttled)
+        self._window.add(key, wall, delay, throttled)
         if self._window.wall >= _ns(self.config.window_s):
-            self._decide(self._window.stall(self.threads))
-            self._window = _Window()
+            window, self._window = self._window, _Window()
+            if self._trial is not None:
+                self._judge(self._trial, window)
+            else:
+                self._watch(window)
+                self._last = window
 
-    def _decide(self, stall: float) -> None:
-        """`stall`: threads' worth of time the team spent waiting for CPUs in the window."""
-        limit = self.config.shrink_at
-        if self._probing:
-            self._probing = False
-            if stall < limit:  # the CPUs are back: keep the full team
-                log.info("intra-op threads back to %d (stall %.2f)", self.threads, stall)
-                self._interval_ns = _ns(self.config.first_probe_s)
-                return
-            self._interval_ns = min(2 * self._interval_ns, _ns(self.config.max_probe_interval_s))
-            self._shrink(stall)
+    def _watch(self, window: _Window) -> None:
+        """Between trials: a stall starts one with fewer threads (not sooner than allowed)."""
+        stall = window.stall(self.threads)
+        if stall < self.config.shrink_at or self.threads == 1:
             return
-        if stall >= limit and self.threads > 1:
-            self._shrink(stall)
-
-    def _shrink(self, stall: float) -> None:
+        if self.threads == self.config.full and self._clock() < self._next_trial_ns:
+            return
         lost = max(1, round(stall))
-        target = max(1, min(self.threads, self.config.full) - lost)
-        if target != self.threads:
+        self.trials += 1
+        self._start_trial(max(1, self.threads - lost), baseline=window, stall=stall)
+
+    def _start_trial(
+        self, size: int, baseline: _Window | None = None, stall: float | None = None
+    ) -> None:
+        before = baseline or self._last
+        self._trial = _Trial(self.threads, size, before, stall)
+        self._resize(size)
+
+    def _judge(self, trial: _Trial, window: _Window) -> None:
+        """Keep the tried size if its calls ran faster than the same calls before it."""
+        self._trial = None
+        ratio = window.cost_relative_to(trial.before) if trial.before else None
+        if ratio is None:  # nothing comparable ran: the stall alone decides
+            faster = window.stall(self.threads) < self.config.shrink_at
+        else:
+            faster = ratio < 1.0
+        growing = trial.size > trial.was
+        if faster:
+            self._last = window
+            if growing:
+                log.info("intra-op threads back to %d (calls %.2fx the time)", trial.size, ratio)
+                self._interval_ns = _ns(self.config.first_probe_s)
+                self._next_trial_ns = 0
+            else:
+                self.shrinks += 1
+                log.info(
+                    "intra-op threads %d -> %d: the team waited %.2f threads' worth of time for "
+                    "CPUs (another process is using them) and %d threads run the same calls in "
+                    "%.2fx the time; trying %d again in %.0f s",
+                    trial.was,
+                    trial.size,
+                    trial.stall or 0.0,
+                    trial.size,
+                    ratio or 0.0,
+                    self.config.full,
+                    self._interval_ns / 1e9,
+                )
+                self._next_probe_ns = self._clock() + self._interval_ns
+            return
+        self._resize(trial.was)  # the tried size was no better: back to the one before
+        self._interval_ns = min(2 * self._interval_ns, _ns(self.config.max_probe_interval_s))
+        if growing:
+            self._next_probe_ns = self._clock() + self._interval_ns
+        else:
+            # The stall is there but costs less than a thread (the stack's own processes, say):
+            # keep the team and look again later.
             log.info(
-                "intra-op threads %d -> %d: the team waited %.2f threads' worth of time for CPUs "
-                "(another process is using them); trying %d again in %.0f s",
-                self.threads,
-                target,
-                stall,
-                self.config.full,
-                self._interval_ns / 1e9,
+                "intra-op threads stay %d: %d threads ran the same calls in %.2fx the time",
+                trial.was,
+                trial.size,
+                ratio or 0.0,
             )
-            self.shrinks += 1
-            self._resize(target)
-        self._next_probe_ns = self._clock() + self._interval_ns
+            self._next_trial_ns = self._clock() + self._interval_ns
 
     def _resize(self, n: int) -> None:
-        self.threads = n
-        self._set_threads(n)
+        if n != self.threads:
+            self.threads = n
+            self._set_threads(n)
+
+
+@dataclass(frozen=True)
+class _Trial:
+    was: int  # team size before the trial
+    size: int  # team size being tried
+    before: _Window | None  # calls measured at `was`, to compare with
+    stall: float | None  # what started it (None: a probe of the full team)
 
 
 class _Window:
-    __slots__ = ("delay", "throttled", "wall")
+    __slots__ = ("calls", "delay", "throttled", "wall")
 
     def __init__(self) -> None:
         self.wall = 0
         self.delay = 0
         self.throttled = 0
+        self.calls: dict[Key, list[int]] = {}  # key -> [calls, wall ns]
 
-    def add(self, wall: int, delay: int, throttled: int) -> None:
+    def add(self, key: Key, wall: int, delay: int, throttled: int) -> None:
         self.wall += wall
         self.delay += delay
         self.throttled += throttled
+        seen = self.calls.setdefault(key, [0, 0])
+        seen[0] += 1
+        seen[1] += wall
 
     def stall(self, threads: int) -> float:
+        """Threads' worth of time the team spent waiting for CPUs, as a share of the wall time."""
         if self.wall <= 0:
             return 0.0
         # A throttled group's threads all wait together: that wait is the quota's, not a
         # neighbour's, and costs no region more than its share.
         excess = max(0, self.delay - threads * self.throttled)
         return excess / self.wall
+
+    def cost_relative_to(self, other: _Window) -> float | None:
+        """This window's calls' time over what the same calls took in `other` (keys in both,
+        weighted by this window's counts; None when they share none)."""
+        mine = theirs = 0.0
+        for key, (n, wall) in self.calls.items():
+            seen = other.calls.get(key)
+            if seen is None:
+                continue
+            mine += wall
+            theirs += n * seen[1] / seen[0]
+        return mine / theirs if theirs > 0 else None
 
 
 def _ns(seconds: float) -> int:

@@ -18,32 +18,46 @@ MS = 1_000_000
 
 
 class Host:
-    """A scripted machine: each device call takes `call_ms` and the team waits `wait_ms` of it for
-    CPUs (per call, all threads together); the group is throttled `throttled_ms` per call."""
+    """A scripted machine: a device call's wall time and the team's wait for CPUs in it (all
+    threads together) depend on the team's size, as `cost[threads] = (call_ms, wait_ms)`; the
+    group is throttled `throttled_ms` per call."""
 
-    def __init__(self) -> None:
+    def __init__(self, full: int = 2) -> None:
         self.now = 0
         self.delay = 0
         self.throttled = 0
-        self.call_ms = 10.0
-        self.wait_ms = 0.0
+        self.threads = full
+        self.cost: dict[int, tuple[float, float]] = {n: (10.0 * full / n, 0.0) for n in range(1, 9)}
         self.throttled_ms = 0.0
         self.sizes: list[int] = []
 
     def governor(self, full: int = 2, **kw: float) -> ThreadGovernor:
+        def resize(n: int) -> None:
+            self.threads = n
+            self.sizes.append(n)
+
         return ThreadGovernor(
             GovernorConfig(full=full, **kw),
-            self.sizes.append,
+            resize,
             clock=lambda: self.now,
             run_delay=lambda: self.delay,
             throttled=lambda: self.throttled,
         )
 
-    def call(self, gov: ThreadGovernor, n: int = 1) -> None:
+    def neighbour(self, full: int = 2, free: int = 1) -> None:
+        """Another process takes `full - free` cores: a team larger than `free` stalls every
+        region on a descheduled thread (ten times slower), a team within `free` runs at its size."""
+        for n in range(1, 9):
+            self.cost[n] = (10.0 * full / n, 0.0) if n <= free else (100.0, 100.0 * (n - free))
+
+    def call(
+        self, gov: ThreadGovernor, n: int = 1, key: str = "decode", scale: float = 1.0
+    ) -> None:
         for _ in range(n):
-            token = gov.before()
-            self.now += int(self.call_ms * MS)
-            self.delay += int(self.wait_ms * MS)
+            call_ms, wait_ms = self.cost[self.threads]
+            token = gov.before(key)
+            self.now += int(call_ms * scale * MS)
+            self.delay += int(wait_ms * scale * MS)
             self.throttled += int(self.throttled_ms * MS)
             gov.after(token)
 
@@ -53,45 +67,76 @@ class Host:
 
 def test_a_quiet_machine_keeps_the_full_team() -> None:
     host = Host()
-    host.wait_ms = 1.0  # 10% of the time: the stack's own threads now and then
+    host.cost[2] = (10.0, 1.0)  # 10% of the time: the stack's own threads now and then
     gov = host.governor()
     host.call(gov, 200)
-    assert gov.threads == 2 and host.sizes == [] and gov.shrinks == 0
+    assert gov.threads == 2 and host.sizes == [] and gov.trials == 0
 
 
-def test_a_neighbour_on_a_core_shrinks_the_team_after_one_window() -> None:
+def test_a_neighbour_on_a_core_shrinks_the_team_once_the_smaller_one_measures_faster() -> None:
     host = Host()
     gov = host.governor(window_s=0.2)
-    host.call_ms, host.wait_ms = 100.0, 60.0  # each region waits for a descheduled thread
+    host.neighbour()
     host.call(gov, 1)
     assert gov.threads == 2  # 100 ms: the window is not full yet
     host.call(gov, 1)
+    assert gov.threads == 1 and gov.trials == 1 and gov.shrinks == 0  # trying one thread
+    host.call(gov, 10)  # 20 ms calls against 100 ms: kept
     assert gov.threads == 1 and host.sizes == [1] and gov.shrinks == 1
 
 
-def test_the_team_loses_the_threads_worth_of_time_it_waited() -> None:
+def test_a_stall_that_costs_less_than_a_thread_keeps_the_team() -> None:
+    """The stack's own grammar service takes a core now and then: the team stalls, but one
+    thread alone is slower still, so the team stays whole and is tried again only later."""
     host = Host()
+    host.cost[2], host.cost[1] = (14.0, 6.0), (20.0, 0.0)
+    gov = host.governor(first_probe_s=2.0, max_probe_interval_s=8.0)
+    host.call(gov, 15)  # one window with the stall, then a trial of one thread
+    assert gov.trials == 1
+    host.call(gov, 10)
+    assert gov.threads == 2 and host.sizes == [1, 2] and gov.shrinks == 0
+    host.call(gov, 100)  # 1.4 s: no second trial before the wait (4 s after a failed one)
+    assert gov.trials == 1 and gov.threads == 2
+    host.call(gov, 400)
+    assert gov.threads == 2 and gov.shrinks == 0
+    assert 2 <= gov.trials <= 3  # a few short trials a minute, backing off
+
+
+def test_the_same_calls_are_compared_not_a_different_mix() -> None:
+    """A trial window holding more of the expensive calls is not mistaken for a slower team."""
+    host = Host()
+    host.neighbour()
+    gov = host.governor(window_s=0.2)
+    host.call(gov, 2, key="decode")
+    assert gov.trials == 1
+    for _ in range(4):  # while trying one thread, prefill passes (10x the work) come in
+        host.call(gov, 1, key="prefill", scale=10.0)
+        host.call(gov, 1, key="decode")
+    assert gov.threads == 1 and gov.shrinks == 1
+
+
+def test_the_team_loses_the_threads_worth_of_time_it_waited() -> None:
+    host = Host(full=8)
+    host.neighbour(full=8, free=5)  # three cores taken
     gov = host.governor(full=8)
-    host.call_ms, host.wait_ms = 50.0, 150.0  # three threads' worth of waiting
-    host.call(gov, 4)
+    host.call(gov, 2)  # three threads' worth of waiting: try 5
     assert gov.threads == 5
-    host.call(gov, 4)  # still waiting: shrinks again, never below one
-    assert gov.threads == 2
-    host.call(gov, 8)
-    assert gov.threads == 1 and host.sizes == [5, 2, 1]
+    host.call(gov, 20)
+    assert gov.threads == 5 and host.sizes == [5] and gov.shrinks == 1
 
 
 def test_a_probe_restores_the_full_team_when_the_neighbour_left() -> None:
     host = Host()
     gov = host.governor(first_probe_s=2.0)
-    host.call_ms, host.wait_ms = 100.0, 60.0
+    host.neighbour()
     host.call(gov, 2)
-    assert gov.threads == 1
-    host.wait_ms = 0.0  # the neighbour ends
+    host.call(gov, 10)
+    assert gov.threads == 1 and gov.shrinks == 1
+    host.neighbour(free=2)  # the neighbour ends
     host.call(gov, 10)  # within the probe interval: stays shrunk
     assert gov.threads == 1
     host.idle(2.0)
-    host.call(gov, 3)  # the probe window at the full size finds no stall
+    host.call(gov, 20)  # the probe window at the full size runs the calls in half the time
     assert gov.threads == 2 and host.sizes == [1, 2] and gov.probes == 1
     host.call(gov, 50)
     assert gov.threads == 2
@@ -100,8 +145,9 @@ def test_a_probe_restores_the_full_team_when_the_neighbour_left() -> None:
 def test_failed_probes_back_off_exponentially_up_to_the_cap() -> None:
     host = Host()
     gov = host.governor(first_probe_s=2.0, max_probe_interval_s=8.0)
-    host.call_ms, host.wait_ms = 100.0, 60.0  # a neighbour that stays
-    host.call(gov, 2)
+    host.neighbour()  # a neighbour that stays
+    host.call(gov, 12)
+    assert gov.threads == 1
     probe_times = []
     for _ in range(300):
         before = gov.probes
@@ -119,21 +165,21 @@ def test_a_quota_throttling_the_whole_group_is_not_a_neighbour() -> None:
     host = Host()
     gov = host.governor()
     # 1.5 CPUs for 2 threads: a quarter of each period throttled, both threads waiting meanwhile.
-    host.call_ms, host.wait_ms, host.throttled_ms = 10.0, 5.0, 2.5
+    host.cost[2], host.throttled_ms = (10.0, 5.0), 2.5
     host.call(gov, 200)
-    assert gov.threads == 2 and host.sizes == []
+    assert gov.threads == 2 and host.sizes == [] and gov.trials == 0
     # A neighbour on top of the quota still shows.
-    host.wait_ms = 12.0
+    host.neighbour()
     host.call(gov, 40)
     assert gov.threads == 1
 
 
 def test_one_thread_has_nothing_to_shrink() -> None:
-    host = Host()
+    host = Host(full=1)
+    host.cost[1] = (100.0, 90.0)
     gov = host.governor(full=1)
-    host.call_ms, host.wait_ms = 100.0, 90.0
     host.call(gov, 20)
-    assert gov.threads == 1 and host.sizes == [] and gov.probes == 0
+    assert gov.threads == 1 and host.sizes == [] and gov.probes == 0 and gov.trials == 0
 
 
 def test_the_team_run_delay_sums_the_named_threads(tmp_path: Path) -> None:
