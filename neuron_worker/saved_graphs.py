@@ -40,6 +40,9 @@ _SOURCE_PACKAGES = ("neuron_worker.model", "neuron_worker.kernels")
 _SOURCE_SUFFIXES = (".py", ".cpp", ".h")
 # torch's own traced modules are covered by its version in the key.
 _KEYED_ELSEWHERE = ("torch.",)
+# What decides how a graph is compiled and which guards it keeps (a graph saved under an older
+# guard policy would refuse inputs the current one accepts, e.g. a new intra-op team size).
+_POLICY_SOURCES = ("neuron_worker/backends.py", "neuron_worker/saved_graphs.py")
 
 
 def counts() -> tuple[int, int]:
@@ -222,4 +225,5 @@ def _source_digests() -> list[str]:
         for p in (root / package.replace(".", os.sep)).rglob("*")
         if p.suffix in _SOURCE_SUFFIXES
     )
+    files += [root / name for name in _POLICY_SOURCES]
     return [f"{p.relative_to(root)} {hashlib.sha256(p.read_bytes()).hexdigest()}" for p in files]

@@ -195,6 +195,27 @@ def test_the_key_follows_the_model_structure_the_ranges_and_the_compile_options(
     assert saved_graphs.graph_key(model(), "rows4") != key
 
 
+def test_the_key_follows_the_code_that_chooses_the_guards(
+    weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A graph saved while the guard filter kept the thread count refuses every other team
+    size: a new guard policy must not load it."""
+    m = build_model(TINY, weights, dtype=torch.float32)
+    m.setup_caches(5, 256)
+    key = saved_graphs.graph_key(m, "rows4")
+    policy = saved_graphs._POLICY_SOURCES
+    assert "neuron_worker/backends.py" in policy and "neuron_worker/saved_graphs.py" in policy
+    root = Path(saved_graphs.__file__).resolve().parent.parent
+    real = Path.read_bytes
+
+    def edited(path: Path) -> bytes:
+        data = real(path)
+        return data + b"# edited" if path == root / "neuron_worker/backends.py" else data
+
+    monkeypatch.setattr(Path, "read_bytes", edited)
+    assert saved_graphs.graph_key(m, "rows4") != key
+
+
 def test_a_runner_without_a_directory_saves_nothing(weights: dict[str, torch.Tensor]) -> None:
     assert tiny_runner(weights, True)._saved is None
     assert tiny_runner(weights, False, graph_dir=Path("/nonexistent"))._saved is None
