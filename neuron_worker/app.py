@@ -168,6 +168,12 @@ def use_caches(args: argparse.Namespace, tuning: Tuning) -> Path | None:
     return cache
 
 
+async def use_caches_on_device_thread(args: argparse.Namespace, tuning: Tuning) -> Path | None:
+    """`use_caches` where the graphs are compiled and run: torch's compiler settings set by
+    assignment hold only for the thread that sets them."""
+    return await device_thread.run(lambda: use_caches(args, tuning))
+
+
 def load_worker_model(args: argparse.Namespace, tuning: Tuning, backend: Backend) -> Transformer:
     """The model as the worker serves it: `args.model` in the settings' dtype, with the serving
     kernels and the settings' quantization (a sharded model gets those after sharding)."""
@@ -233,7 +239,7 @@ async def serve(
     torch.set_num_threads(args.threads or rank_threads(args.tensor_parallel_size))
     began = time.perf_counter()
     tuning = resolve_settings(args)
-    cache = use_caches(args, tuning)
+    cache = await use_caches_on_device_thread(args, tuning)
     log.info("worker settings: %s; %d threads", tuning.describe(), torch.get_num_threads())
     tokenizer = load_tokenizer(args.model)
     backend = create_backend(args.device, compile=tuning.compile, cuda_graphs=tuning.cuda_graphs)

@@ -194,20 +194,19 @@ class ThreadGovernor:
         if faster:
             self._last = window
             if growing:
-                log.info("intra-op threads back to %d (calls %.2fx the time)", trial.size, ratio)
+                log.info("intra-op threads back to %d (%s)", trial.size, _compared(ratio))
                 self._interval_ns = _ns(self.config.first_probe_s)
                 self._next_trial_ns = 0
             else:
                 self.shrinks += 1
                 log.info(
                     "intra-op threads %d -> %d: the team waited %.2f threads' worth of time for "
-                    "CPUs (another process is using them) and %d threads run the same calls in "
-                    "%.2fx the time; trying %d again in %.0f s",
+                    "CPUs (another process is using them), %d threads: %s; trying %d again in %.0f s",
                     trial.was,
                     trial.size,
                     trial.stall or 0.0,
                     trial.size,
-                    ratio or 0.0,
+                    _compared(ratio),
                     self.config.full,
                     self._interval_ns / 1e9,
                 )
@@ -221,10 +220,10 @@ class ThreadGovernor:
             # The stall is there but costs less than a thread (the stack's own processes, say):
             # keep the team and look again later.
             log.info(
-                "intra-op threads stay %d: %d threads ran the same calls in %.2fx the time",
+                "intra-op threads stay %d: %d threads: %s",
                 trial.was,
                 trial.size,
-                ratio or 0.0,
+                _compared(ratio),
             )
             self._next_trial_ns = self._clock() + self._interval_ns
 
@@ -279,6 +278,12 @@ class _Window:
             mine += wall
             theirs += n * seen[1] / seen[0]
         return mine / theirs if theirs > 0 else None
+
+
+def _compared(ratio: float | None) -> str:
+    if ratio is None:
+        return "no calls to compare, judged by the stall"
+    return f"the same calls in {ratio:.2f}x the time"
 
 
 def _ns(seconds: float) -> int:

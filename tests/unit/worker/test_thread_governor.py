@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from pathlib import Path
+
+import pytest
 
 from neuron_worker.thread_governor import (
     TEAM_NAME,
@@ -247,3 +250,20 @@ def test_a_compiled_graph_serves_any_team_size_without_compiling_again() -> None
         torch.set_num_threads(before)
         torch._dynamo.reset()
     assert compiled_per_setting == [1, 2]  # the fixed-size kernels need a graph per size
+
+
+def test_a_trial_with_no_calls_to_compare_is_judged_by_the_stall(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    host = Host()
+    host.neighbour()
+    gov = host.governor(window_s=0.2)
+    with caplog.at_level(logging.INFO, logger="neuron_worker.thread_governor"):
+        host.call(gov, 2, key="decode")
+        host.call(gov, 10, key="verify")  # only other calls while one thread is tried
+        assert gov.threads == 1 and gov.shrinks == 1  # no stall at one thread: kept
+        host.neighbour(free=2)
+        host.idle(2.0)
+        host.call(gov, 30, key="prefill")
+    assert gov.threads == 2
+    assert caplog.text.count("no calls to compare, judged by the stall") == 2

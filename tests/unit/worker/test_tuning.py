@@ -294,3 +294,31 @@ def test_a_cache_another_worker_uses_is_left_as_it_is(
         assert use_compile_cache(cache) == cache
     assert "is not a whole shared library" in caplog.text
     assert not (cache / "inductor").exists()
+
+
+def test_the_compiler_settings_hold_on_the_thread_that_compiles(tmp_path: Path) -> None:
+    """torch's compiler settings set by assignment are thread-local: set on the event loop's
+    thread they would not reach the device thread, where every graph is compiled (its kernels
+    would be generated for a fixed team and its guards would refuse the governor's sizes)."""
+    import argparse
+    import asyncio
+
+    from neuron_worker import app, device_thread
+    from neuron_worker.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--compile-cache", str(tmp_path)])
+    tune = app.resolve_settings(args)
+    assert tune.compile and args.adaptive_threads
+
+    def seen() -> tuple[bool, bool]:
+        return torch._inductor.config.cpp.dynamic_threads, torch._inductor.config.fx_graph_cache
+
+    try:
+        assert asyncio.run(app.use_caches_on_device_thread(args, tune)) is not None
+        assert asyncio.run(device_thread.run(seen)) == (True, True)
+    finally:
+        device_thread.executor().submit(
+            lambda: setattr(torch._inductor.config.cpp, "dynamic_threads", False)
+        ).result()
