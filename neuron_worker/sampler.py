@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from neuron_worker.backends import serving_guards
 from neuron_worker.compile_fallback import compile_or_eager
 from neuron_worker.logprobs import TOP_WIDTH, token_logprobs
 from neuron_worker.masks import (
@@ -341,8 +342,11 @@ class Sampler:
         # here: 12 ms medians for a 0.6 ms kernel at B=8). ATen's eager kernels only go
         # parallel above 32k elements per task. One thread per sampler kernel is the robust
         # choice on CPU (bench/sampler.py); None keeps torch's thread count.
+        # The serving guards: no guard on the intra-op team size, which the thread governor
+        # changes (these kernels use `cpu_threads` whatever the team).
         options: dict[str, str | int | bool | Callable[..., object]] = {
-            "realize_opcount_threshold": _REALIZE_OPCOUNT
+            "realize_opcount_threshold": _REALIZE_OPCOUNT,
+            "guard_filter_fn": serving_guards,
         }
         if cpu_threads and self.device.type == "cpu":
             options["cpp.threads"] = cpu_threads

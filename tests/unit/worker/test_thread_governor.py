@@ -267,3 +267,38 @@ def test_a_trial_with_no_calls_to_compare_is_judged_by_the_stall(
         host.call(gov, 30, key="prefill")
     assert gov.threads == 2
     assert caplog.text.count("no calls to compare, judged by the stall") == 2
+
+
+def test_a_compiled_sampler_serves_any_team_size_without_compiling_again() -> None:
+    import torch
+    import torch._inductor.config
+    from torch._dynamo.utils import counters
+
+    from neuron_worker.sampler import Sampler, SamplingTensors
+
+    vocab = 64
+    greedy = SamplingTensors.build(
+        temperature=[0.0, 0.0], top_p=[1.0, 1.0], top_k=[0, 0], seed=[1, 2], offset=[0, 0], n_rows=2
+    )
+    logits = torch.randn(2, vocab)
+    before = torch.get_num_threads()
+    try:
+        torch._inductor.config.cpp.dynamic_threads = True
+        sampler = Sampler(
+            vocab_size=vocab,
+            logits_size=vocab,
+            max_rows=2,
+            device="cpu",
+            structured_outputs=True,
+            compile=True,
+        )
+        torch.set_num_threads(2)
+        want = sampler(logits, sampler.all_ones_mask(2), greedy)
+        graphs = counters["stats"]["unique_graphs"]
+        torch.set_num_threads(1)
+        got = sampler(logits, sampler.all_ones_mask(2), greedy)
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert torch.equal(got, want)
+    finally:
+        torch._inductor.config.cpp.dynamic_threads = False
+        torch.set_num_threads(before)
