@@ -18,7 +18,12 @@ workload runs against llama.cpp's server (same GGUF, `-t 2 -np 8`) under the sam
 the peer a CPU user compares with first.
 
 Writes bench/results/<name>.json and .png. Never part of CI: it needs a quiet machine.
+With `--versus ARGS` it instead compares two `maskwire up` stacks on the quiet workload, both up
+at once and measured in alternating order (e.g. the default against `--worker-arg=
+--no-adaptive-threads`: what the thread governor costs a quiet host).
+
 Usage: python bench/neighbour.py [--max-tokens 64] [--conditions quiet,busy1,...] [--name N]
+       python bench/neighbour.py --versus "--worker-arg=--no-adaptive-threads" [--rounds 4]
 """
 
 from __future__ import annotations
@@ -324,6 +329,33 @@ def run_engine(
     return results
 
 
+def interleaved_quiet(
+    up_args: list[str], versus: list[str], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Two `maskwire up` stacks at once (`up_args` and `versus`), the quiet workload on each in
+    alternating order for `args.rounds` rounds: a difference between them is not drift."""
+    servers = {"maskwire": start_maskwire(up_args, None)}
+    try:
+        servers["versus"] = start_maskwire(versus, None)
+        for server in servers.values():
+            one_request(server, PROMPTS[0], True, 8)
+            one_request(server, PROMPTS[0], False, 8)
+        rounds: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+        for r in range(args.rounds):
+            for name in list(servers)[:: 1 if r % 2 == 0 else -1]:
+                h = headline(workload(servers[name], args.max_tokens, args.c1_requests))
+                rounds[name].append(h)
+                print(name, f"round {r}", _fmt(h), flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    medians = {
+        name: {k: statistics.median(h[k] for h in hs) for k in hs[0]} for name, hs in rounds.items()
+    }
+    ratio = {k: medians["maskwire"][k] / medians["versus"][k] for k in medians["maskwire"]}
+    return {"rounds": rounds, "medians": medians, "maskwire_over_versus": ratio}
+
+
 def _fmt(h: dict[str, float]) -> str:
     return " ".join(f"{k} {v:.1f}" for k, v in h.items())
 
@@ -384,6 +416,13 @@ def main() -> int:
     parser.add_argument("--quota", type=float, default=1.5, help="CPUs of the quota condition")
     parser.add_argument("--up-args", default="", help="extra `maskwire up` arguments")
     parser.add_argument("--llama-server", type=Path, help="llama-server binary: also run it")
+    parser.add_argument(
+        "--versus",
+        metavar="ARGS",
+        help="instead of the conditions: the quiet workload interleaved on two stacks, "
+        "`--up-args` and these `maskwire up` arguments (e.g. --worker-arg=--no-adaptive-threads)",
+    )
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per stack with --versus")
     parser.add_argument("--name", default="neighbour")
     args = parser.parse_args()
     args.conditions = [c for c in args.conditions.split(",") if c]
@@ -403,6 +442,16 @@ def main() -> int:
         "engines": {},
     }
     up_args = args.up_args.split()
+    if args.versus is not None:
+        data.update(conditions=["quiet"], versus=args.versus, rounds=args.rounds)
+        data["interleaved"] = interleaved_quiet(up_args, args.versus.split(), args)
+        data["loadavg_end"] = os.getloadavg()
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        out = RESULTS / f"{args.name}.json"
+        out.write_text(json.dumps(data, indent=2) + "\n")
+        print(json.dumps(data["interleaved"]["maskwire_over_versus"], indent=2))
+        print(f"wrote {out}")
+        return 0
     data["engines"]["maskwire"] = run_engine(
         "maskwire", lambda group: start_maskwire(up_args, group), args
     )

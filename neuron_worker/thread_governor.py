@@ -107,6 +107,13 @@ class GovernorConfig:
     window_s: float = 0.2  # device-call time a measurement is based on
     first_probe_s: float = 2.0  # wait before trying the full team again (or a smaller one)
     max_probe_interval_s: float = 32.0
+    # A smaller team is kept only when the same calls take less than this share of the time:
+    # a core lost to a neighbour makes them several times faster at the smaller size, while the
+    # noise between two windows of a busy stack reaches +-30%, and a wrong shrink costs half
+    # the throughput until the next probe.
+    keep_smaller_below: float = 0.5
+    trial_windows: int = 3  # windows a trial may take to run calls it can compare
+    memory_s: float = 30.0  # how long a size's measured call times count as current
 
 
 Key = Hashable  # calls with equal keys do the same work (the pass's shape)
@@ -134,7 +141,8 @@ class ThreadGovernor:
         self._run_delay = run_delay
         self._throttled = throttled
         self._window = _Window()
-        self._last: _Window | None = None  # the last complete window at the current size
+        # team size -> key -> (mean call ns, when measured): what each size did lately
+        self._times: dict[int, dict[Key, tuple[float, int]]] = {}
         self._trial: _Trial | None = None
         self._next_trial_ns = 0  # no smaller team is tried before this (full team)
         self._next_probe_ns = 0  # the full team is tried again at this time (shrunk team)
@@ -145,7 +153,13 @@ class ThreadGovernor:
 
     def before(self, key: Key = None) -> tuple[Key, int, int, int]:
         shrunk = self.threads < self.config.full
-        if shrunk and self._trial is None and self._clock() >= self._next_probe_ns:
+        between_windows = self._window.wall == 0  # a window's calls all ran at one size
+        if (
+            shrunk
+            and between_windows
+            and self._trial is None
+            and self._clock() >= self._next_probe_ns
+        ):
             self.probes += 1
             self._start_trial(self.config.full)
         return key, self._clock(), self._run_delay(), self._throttled() or 0
@@ -158,11 +172,17 @@ class ThreadGovernor:
         self._window.add(key, wall, delay, throttled)
         if self._window.wall >= _ns(self.config.window_s):
             window, self._window = self._window, _Window()
+            self._remember(window)  # at the size it ran at, before any change
             if self._trial is not None:
                 self._judge(self._trial, window)
             else:
                 self._watch(window)
-                self._last = window
+
+    def _remember(self, window: _Window) -> None:
+        times = self._times.setdefault(self.threads, {})
+        now = self._clock()
+        for key, (n, wall) in window.calls.items():
+            times[key] = (wall / n, now)
 
     def _watch(self, window: _Window) -> None:
         """Between trials: a stall starts one with fewer threads (not sooner than allowed)."""
@@ -173,26 +193,38 @@ class ThreadGovernor:
             return
         lost = max(1, round(stall))
         self.trials += 1
-        self._start_trial(max(1, self.threads - lost), baseline=window, stall=stall)
+        self._start_trial(max(1, self.threads - lost), stall=stall)
 
-    def _start_trial(
-        self, size: int, baseline: _Window | None = None, stall: float | None = None
-    ) -> None:
-        before = baseline or self._last
-        self._trial = _Trial(self.threads, size, before, stall)
+    def _start_trial(self, size: int, stall: float | None = None) -> None:
+        self._trial = _Trial(self.threads, size, stall)
         self._resize(size)
 
+    def _relative_cost(self, window: _Window, size: int) -> float | None:
+        """`window`'s calls' time over what the same calls took lately at `size` (keys in both,
+        weighted by the window's counts; None when none was measured within `memory_s`)."""
+        since = self._clock() - _ns(self.config.memory_s)
+        times = self._times.get(size, {})
+        mine = theirs = 0.0
+        for key, (n, wall) in window.calls.items():
+            seen = times.get(key)
+            if seen is None or seen[1] < since:
+                continue
+            mine += wall
+            theirs += n * seen[0]
+        return mine / theirs if theirs > 0 else None
+
     def _judge(self, trial: _Trial, window: _Window) -> None:
-        """Keep the tried size if its calls ran faster than the same calls before it."""
+        """Keep the tried size if its calls ran faster than the same calls at the size before;
+        with nothing to compare after `trial_windows` windows, go back to the size before."""
+        trial.windows += 1
+        trial.window.merge(window)
+        ratio = self._relative_cost(trial.window, trial.was)
+        if ratio is None and trial.windows < self.config.trial_windows:
+            return  # keep measuring
         self._trial = None
-        ratio = window.cost_relative_to(trial.before) if trial.before else None
-        if ratio is None:  # nothing comparable ran: the stall alone decides
-            faster = window.stall(self.threads) < self.config.shrink_at
-        else:
-            faster = ratio < 1.0
         growing = trial.size > trial.was
-        if faster:
-            self._last = window
+        better = 1.0 if growing else self.config.keep_smaller_below
+        if ratio is not None and ratio < better:
             if growing:
                 log.info("intra-op threads back to %d (%s)", trial.size, _compared(ratio))
                 self._interval_ns = _ns(self.config.first_probe_s)
@@ -220,10 +252,7 @@ class ThreadGovernor:
             # The stall is there but costs less than a thread (the stack's own processes, say):
             # keep the team and look again later.
             log.info(
-                "intra-op threads stay %d: %d threads: %s",
-                trial.was,
-                trial.size,
-                _compared(ratio),
+                "intra-op threads stay %d: %d threads: %s", trial.was, trial.size, _compared(ratio)
             )
             self._next_trial_ns = self._clock() + self._interval_ns
 
@@ -233,12 +262,15 @@ class ThreadGovernor:
             self._set_threads(n)
 
 
-@dataclass(frozen=True)
 class _Trial:
-    was: int  # team size before the trial
-    size: int  # team size being tried
-    before: _Window | None  # calls measured at `was`, to compare with
-    stall: float | None  # what started it (None: a probe of the full team)
+    __slots__ = ("size", "stall", "was", "window", "windows")
+
+    def __init__(self, was: int, size: int, stall: float | None) -> None:
+        self.was = was  # team size before the trial
+        self.size = size  # team size being tried
+        self.stall = stall  # what started it (None: a probe of the full team)
+        self.window = _Window()  # the calls run at `size` so far
+        self.windows = 0
 
 
 class _Window:
@@ -258,6 +290,15 @@ class _Window:
         seen[0] += 1
         seen[1] += wall
 
+    def merge(self, other: _Window) -> None:
+        self.wall += other.wall
+        self.delay += other.delay
+        self.throttled += other.throttled
+        for key, (n, wall) in other.calls.items():
+            seen = self.calls.setdefault(key, [0, 0])
+            seen[0] += n
+            seen[1] += wall
+
     def stall(self, threads: int) -> float:
         """Threads' worth of time the team spent waiting for CPUs, as a share of the wall time."""
         if self.wall <= 0:
@@ -267,22 +308,10 @@ class _Window:
         excess = max(0, self.delay - threads * self.throttled)
         return excess / self.wall
 
-    def cost_relative_to(self, other: _Window) -> float | None:
-        """This window's calls' time over what the same calls took in `other` (keys in both,
-        weighted by this window's counts; None when they share none)."""
-        mine = theirs = 0.0
-        for key, (n, wall) in self.calls.items():
-            seen = other.calls.get(key)
-            if seen is None:
-                continue
-            mine += wall
-            theirs += n * seen[1] / seen[0]
-        return mine / theirs if theirs > 0 else None
-
 
 def _compared(ratio: float | None) -> str:
     if ratio is None:
-        return "no calls to compare, judged by the stall"
+        return "no calls to compare"
     return f"the same calls in {ratio:.2f}x the time"
 
 
