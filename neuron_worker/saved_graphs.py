@@ -32,6 +32,7 @@ import torch._inductor.config
 from torch import nn
 
 from neuron_worker.backends import LEAN_WRAPPER, serving_guards
+from neuron_worker.compile_cache import count_saved_graph
 
 log = logging.getLogger(__name__)
 
@@ -40,20 +41,6 @@ _SOURCE_PACKAGES = ("neuron_worker.model", "neuron_worker.kernels")
 _SOURCE_SUFFIXES = (".py", ".cpp", ".h")
 # torch's own traced modules are covered by its version in the key.
 _KEYED_ELSEWHERE = ("torch.",)
-
-
-def counts() -> tuple[int, int]:
-    """(graphs loaded from saved files, graphs compiled and saved) in this process so far."""
-    from torch._dynamo.utils import counters
-
-    c = counters["saved_graphs"]
-    return int(c["loaded"]), int(c["compiled"])
-
-
-def _count(what: str) -> None:
-    from torch._dynamo.utils import counters
-
-    counters["saved_graphs"][what] += 1
 
 
 def _portable_guards(entries: Sequence[Any]) -> list[bool]:
@@ -132,7 +119,7 @@ class SavedGraphs:
             log.warning("saved graph %s does not load (%s): compiling it again", path, e)
             return None
         graph.disable_guard_check()  # `__call__` checks them, to fall back instead of raising
-        _count("loaded")
+        count_saved_graph("loaded")
         return graph
 
     def _compile_and_save(self, kind: str, function: str, args: tuple[torch.Tensor, ...]) -> Any:
@@ -151,7 +138,7 @@ class SavedGraphs:
             log.warning("graph %s cannot be precompiled (%s): compiling it each start", kind, e)
             return None
         graph.disable_guard_check()
-        _count("compiled")
+        count_saved_graph("compiled")
         unkeyed = sorted(
             s.module
             for s in graph.source_info().inlined_sources
