@@ -17,10 +17,13 @@ import torch
 import torch._functorch.config
 import torch._inductor.config
 
+from neuron_worker import compile_cache
 from neuron_worker.compile_cache import (
     GRAPH_LAYOUT,
     damaged_entry,
+    kernel_directory,
     use_directory,
+    use_for_worker,
     worker_directory,
 )
 from neuron_worker.drafter import DraftConfig
@@ -40,6 +43,19 @@ def test_graphs_are_split_by_symbolic_ranges(tmp_path: Path) -> None:
     assert worker_directory(tmp_path, replace(EngineConfig(), max_queue=1)) == plain
     # and by the graphs' layout: the same flags compile other ranges after an upgrade
     assert plain.name.endswith(f"-layout{GRAPH_LAYOUT}")
+
+
+def test_the_kernels_are_built_under_the_workers_cache_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Even a worker that compiles no graph keeps its C++ kernels across restarts."""
+    monkeypatch.setattr(compile_cache, "_root", None)  # restored after the test
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kernel_directory() == tmp_path / "xdg" / "maskwire" / "compile" / "kernels"
+    root = tmp_path / "root"
+    assert use_for_worker(root, EngineConfig(), compiled=False, dynamic_threads=False) is None
+    assert kernel_directory() == root / "kernels"
+    assert not root.exists()  # nothing is written before the kernels are built
 
 
 def test_a_usable_cache_directory_holds_inductors_caches(
