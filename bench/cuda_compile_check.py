@@ -24,9 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from neuron_worker import cli  # noqa: E402
-from neuron_worker.app import build_step_device, engine_config  # noqa: E402
+from neuron_worker.app import build_step_device  # noqa: E402
 from neuron_worker.backends import create_backend  # noqa: E402
 from neuron_worker.compile_fallback import fallback_counts, retry_counts  # noqa: E402
+from neuron_worker.config import fit_context, worker_config  # noqa: E402
 from neuron_worker.model import ModelConfig, Transformer, build_model  # noqa: E402
 from tests.unit.model.tiny import random_weights  # noqa: E402
 
@@ -74,8 +75,9 @@ def warm_up(model: Transformer, worker_flags: list[str], device: str) -> int:
     """The worker's warm-up on `model`: every graph a request can hit."""
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
-    args = p.parse_args(worker_flags)
-    config = engine_config(args, SMOLLM2.max_seq_len, bucketed=False)
+    # The engine's settings only: the grammar service named is never dialled.
+    flags = worker_config(p.parse_args(["--grammar-service", "127.0.0.1:50061", *worker_flags]))
+    config = fit_context(dataclasses.replace(flags.engine, bucketed=False), SMOLLM2.max_seq_len)
     backend = create_backend(device, compile=True)
     step = build_step_device(model, backend, config, vocab_size=SMOLLM2.vocab_size, eos_ids=(2,))
     step.setup()

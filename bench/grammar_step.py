@@ -55,8 +55,8 @@ import grammar_service.session as session_module  # noqa: E402
 from grammar_service.backend import LlgBackend, LlgRequest  # noqa: E402
 from grammar_service.compile_cache import CompileCache  # noqa: E402
 from grammar_service.compile_pool import Compiler  # noqa: E402
-from grammar_service.compiler import ParserLimits  # noqa: E402
-from grammar_service.runtime import Limits, Runtime  # noqa: E402
+from grammar_service.config import Limits, ParserLimits  # noqa: E402
+from grammar_service.runtime import Runtime  # noqa: E402
 from grammar_service.session import Session  # noqa: E402
 from maskwire import event_loop  # noqa: E402
 from maskwire.bitmask import encode_rows, step_masks  # noqa: E402

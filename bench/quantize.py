@@ -39,9 +39,9 @@ sys.path.insert(0, str(ROOT))
 
 from maskwire.tokenizer import load_tokenizer  # noqa: E402
 from neuron_worker.backends import create_backend  # noqa: E402
+from neuron_worker.compile_cache import default_root, use_directory  # noqa: E402
 from neuron_worker.graphs import ForwardRunner, Pass  # noqa: E402
 from neuron_worker.model import Transformer, load_model  # noqa: E402
-from neuron_worker.tuning import default_compile_cache, use_compile_cache  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 # variant -> (--quantize scheme, environment)
@@ -90,7 +90,7 @@ def time_decode(runner: ForwardRunner, rows: int, steps: int) -> float:
 
 def time_variant(variant: str, steps: int) -> dict[int, float]:
     """Seconds per compiled decode step at each of ROWS (graphs from the compile cache)."""
-    use_compile_cache(default_compile_cache() / f"bench-quantize-{variant}")
+    use_directory(default_root() / f"bench-quantize-{variant}")
     runner = ForwardRunner(
         serving_model(VARIANTS[variant][0]),
         create_backend("cpu", compile=True),

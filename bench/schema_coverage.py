@@ -322,8 +322,8 @@ async def step_costs(repeats: int = 5) -> dict[str, Any]:
     from grammar_service.backend import LlgBackend
     from grammar_service.compile_cache import CompileCache
     from grammar_service.compile_pool import Compiler
-    from grammar_service.compiler import ParserLimits
-    from grammar_service.runtime import Limits, Runtime
+    from grammar_service.config import Limits, ParserLimits
+    from grammar_service.runtime import Runtime
     from grammar_service.session import Session
 
     tok = load_tokenizer("default")

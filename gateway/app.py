@@ -6,7 +6,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,40 +17,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway import chat, completions, errors, responses, schemas
 from gateway import response_schemas as rs
 from gateway.auth import ApiKeys
+from gateway.config import GatewayConfig
 from gateway.generation import ClientDisconnected, Context, Limiter
 from gateway.input_check import checked_route
-from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 from gateway.metrics import GatewayMetrics
 from gateway.workers import WorkerPool
 from maskwire.logs import debug_payloads
 from maskwire.text import truncate_echo
-from maskwire.tls import ClientTLS
 
 log = logging.getLogger(__name__)
 
 STATUS_CLIENT_CLOSED = 499
-
-
-@dataclass
-class GatewayConfig:
-    """Everything `maskwire gateway` flags decide."""
-
-    workers: list[str]
-    chat_template: str | None = None  # template source overriding the model's
-    tool_call_parser: str | None = None  # hermes, llama3_json or mistral; None: by the template
-    request_timeout_s: float = 600.0
-    max_body_bytes: int = 8 * 1024 * 1024
-    max_concurrency: int = 256
-    health_interval_s: float = 5.0
-    health_timeout_s: float = 2.0  # a worker that does not answer its health check in time is down
-    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # the prompt text sent to a worker (400)
-    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH  # nesting of a body, or of JSON sent as text (400)
-    max_n: int = DEFAULT_MAX_N  # choices per request (400 past it)
-    worker_dns_refresh_s: float = 10.0  # how often dns:/// worker targets are re-resolved
-    # Bearer tokens accepted on /v1 (empty: no authentication), see gateway.auth.
-    api_keys: tuple[str, ...] = field(default_factory=tuple)
-    max_concurrency_per_key: int = 64  # POST /v1 requests in flight per API key (0: no cap)
-    worker_tls: ClientTLS | None = None  # TLS/mTLS to the workers (None: plaintext)
 
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -195,15 +171,10 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         tls=config.worker_tls,
     )
     ctx = Context(
+        config=config,
         pool=the_pool,
         limiter=Limiter(config.max_concurrency),
         metrics=metrics,
-        request_timeout_s=config.request_timeout_s,
-        max_prompt_bytes=config.max_prompt_bytes,
-        max_json_depth=config.max_json_depth,
-        max_n=config.max_n,
-        chat_template=config.chat_template,
-        tool_call_parser=config.tool_call_parser,
     )
     started = int(time.time())
     # Streams outlive their handler: count admitted requests, not running handlers.

@@ -16,12 +16,13 @@ from pathlib import Path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import errors
+from maskwire.config import ConfigError
 
 ENV_VAR = "MASKWIRE_API_KEYS"
 PROTECTED_PREFIX = "/v1/"
 
 
-class KeyConfigError(ValueError):
+class KeyConfigError(ConfigError):
     """An unreadable key file or a malformed key."""
 
 

@@ -13,6 +13,7 @@ from starlette.responses import Response
 from gateway import constraints, errors, reasoning, schemas, sse, tools
 from gateway import logprobs as lp
 from gateway.chat_template import ChatTemplate, TemplateError, build_prompt
+from gateway.config import GatewayConfig
 from gateway.generation import (
     Context,
     WorkerStream,
@@ -24,7 +25,6 @@ from gateway.generation import (
     respond,
     sampling,
 )
-from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 from gateway.output import Output
 from gateway.tool_formats import ToolFormat, by_name, detect
 from gateway.tool_parser import ContentDelta, Delta, OutputParser, ReasoningDelta
@@ -82,22 +82,15 @@ def tool_format(template: ChatTemplate, name: str | None) -> ToolFormat:
 
 
 def plan_chat(
-    req: schemas.ChatCompletionRequest,
-    info: worker_pb2.ModelInfo,
-    template_override: str | None,
-    tool_call_parser: str | None = None,
-    *,
-    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
-    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
-    max_n: int = DEFAULT_MAX_N,
+    req: schemas.ChatCompletionRequest, info: worker_pb2.ModelInfo, config: GatewayConfig
 ) -> ChatPlan:
     """Everything decided before the worker is called (400s are raised here)."""
-    n = check_common(req, info, max_n)
+    n = check_common(req, info, config.max_n)
     logprobs = lp.chat_request(req)
-    tp = tools.plan(req, max_json_depth)
-    template = template_for(info, template_override)
-    fmt = tool_format(template, tool_call_parser)
-    spec = constraints.from_request(req, max_json_depth)
+    tp = tools.plan(req, config.max_json_depth)
+    template = template_for(info, config.chat_template)
+    fmt = tool_format(template, config.tool_call_parser)
+    spec = constraints.from_request(req, config.max_json_depth)
     out = fmt.output(tp)
     constraint = spec.constraint if spec else None
     param = spec.param if spec else None
@@ -108,12 +101,12 @@ def plan_chat(
                 spec.param,
             )
         constraint, param = out.constraint, "tools"
-    prompt = build_prompt(template, req, tp, fmt, max_json_depth)
+    prompt = build_prompt(template, req, tp, fmt, config.max_json_depth)
     marker = reasoning.end_marker(template.source, prompt)
     if not marker:
         # A call marker would land before the thinking: with reasoning the output starts bare.
         prompt += out.prompt_suffix
-    check_prompt_bytes(prompt, max_prompt_bytes, "messages")
+    check_prompt_bytes(prompt, config.max_prompt_bytes, "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     generate = worker_pb2.GenerateRequest(
         text=prompt,
@@ -131,15 +124,7 @@ def plan_chat(
 
 async def handle(ctx: Context, request: Request, req: schemas.ChatCompletionRequest) -> Response:
     info = await check_model(ctx, req.model)
-    plan = plan_chat(
-        req,
-        info,
-        ctx.chat_template,
-        ctx.tool_call_parser,
-        max_prompt_bytes=ctx.max_prompt_bytes,
-        max_json_depth=ctx.max_json_depth,
-        max_n=ctx.max_n,
-    )
+    plan = plan_chat(req, info, ctx.config)
     rid = new_id("chatcmpl")
     plan.generate.request_id = rid
     created = int(time.time())

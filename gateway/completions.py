@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from gateway import constraints, errors, schemas, sse
 from gateway import logprobs as lp
+from gateway.config import GatewayConfig
 from gateway.generation import (
     Context,
     WorkerStream,
@@ -22,7 +23,6 @@ from gateway.generation import (
     respond,
     sampling,
 )
-from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
 from maskwire.text import truncate_echo
 from maskwire.v1 import worker_pb2
 
@@ -32,12 +32,9 @@ ENDPOINT = "/v1/completions"
 def plan_completion(
     req: schemas.CompletionRequest,
     info: worker_pb2.ModelInfo,
-    *,
-    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
-    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
-    max_n: int = DEFAULT_MAX_N,
+    config: GatewayConfig,
 ) -> tuple[worker_pb2.GenerateRequest, str | None]:
-    n = check_common(req, info, max_n)
+    n = check_common(req, info, config.max_n)
     if req.suffix:
         raise errors.unsupported("suffix")
     if req.best_of not in (None, 1):
@@ -61,7 +58,7 @@ def plan_completion(
             raise errors.unsupported("prompt", "one prompt per request (send a list of one)")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        check_prompt_bytes(prompt, max_prompt_bytes, "prompt")
+        check_prompt_bytes(prompt, config.max_prompt_bytes, "prompt")
         gen.text = prompt
     else:
         assert isinstance(prompt, list)
@@ -70,7 +67,7 @@ def plan_completion(
         if req.echo:
             raise errors.unsupported("echo", "only with a text prompt")
         gen.token_ids.ids.extend(_token_ids(prompt, info))
-    spec = constraints.from_request(req, max_json_depth)
+    spec = constraints.from_request(req, config.max_json_depth)
     if spec is not None:
         gen.constraint.CopyFrom(spec.constraint)
         constraints.with_schema_mode(gen.constraint, req.schema_mode)
@@ -95,13 +92,7 @@ def _token_ids(prompt: list[Any], info: worker_pb2.ModelInfo) -> list[int]:
 
 async def handle(ctx: Context, request: Request, req: schemas.CompletionRequest) -> Response:
     info = await check_model(ctx, req.model)
-    gen, param = plan_completion(
-        req,
-        info,
-        max_prompt_bytes=ctx.max_prompt_bytes,
-        max_json_depth=ctx.max_json_depth,
-        max_n=ctx.max_n,
-    )
+    gen, param = plan_completion(req, info, ctx.config)
     rid = new_id("cmpl")
     gen.request_id = rid
     created = int(time.time())

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway import errors, schemas, sse
 from gateway.auth import KEY_PLACES
-from gateway.limits import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_N, DEFAULT_MAX_PROMPT_BYTES
+from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.workers import WorkerPool
 from maskwire.text import truncate_echo, utf8_len
@@ -91,17 +91,12 @@ class Limiter:
 
 @dataclass
 class Context:
-    """Per-app services a request handler needs."""
+    """Per-app services a request handler needs, and the gateway's configuration."""
 
+    config: GatewayConfig
     pool: WorkerPool
     limiter: Limiter
     metrics: GatewayMetrics
-    request_timeout_s: float
-    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
-    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
-    max_n: int = DEFAULT_MAX_N
-    chat_template: str | None = None  # template source overriding the model's
-    tool_call_parser: str | None = None  # `--tool-call-parser`; None: the template decides
 
 
 def new_id(prefix: str) -> str:
@@ -268,7 +263,7 @@ class WorkerStream:
         constraint_param: str | None,
     ) -> WorkerStream:
         gen = ctx.pool.generate(
-            gen_request, timeout_s=ctx.request_timeout_s, constraint_param=constraint_param
+            gen_request, timeout_s=ctx.config.request_timeout_s, constraint_param=constraint_param
         )
         self = cls(ctx, endpoint, gen)
         try:

@@ -465,14 +465,7 @@ async def handle(ctx: Context, request: Request, req: rs.ResponseCreateRequest) 
     params = _Params()
     try:
         chat_req, params = to_chat(req)
-        plan = plan_chat(
-            chat_req,
-            info,
-            ctx.chat_template,
-            ctx.tool_call_parser,
-            max_prompt_bytes=ctx.max_prompt_bytes,
-            max_json_depth=ctx.max_json_depth,
-        )
+        plan = plan_chat(chat_req, info, ctx.config)
     except errors.APIError as e:
         raise _translated(e, params) from e
     run = _Run(req, plan, params, new_id("resp"), int(time.time()))

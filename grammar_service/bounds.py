@@ -13,28 +13,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from grammar_service.config import ConstraintBounds
 from maskwire.rpc import RpcError
-
-
-@dataclass(frozen=True)
-class ConstraintBounds:
-    """Limits on a constraint's shape (CLI flags of the grammar service)."""
-
-    # Longest chain of nested subschemas, following local `$ref`s (`--max-schema-depth`).
-    max_schema_depth: int = 256
-    # Objects and arrays in one JSON schema (`--max-schema-nodes`).
-    max_schema_nodes: int = 200_000
-    # Longest chain of rule references in a Lark/GBNF grammar (`--max-grammar-depth`).
-    max_grammar_depth: int = 256
-    # Rule and terminal definitions in one Lark/GBNF grammar (`--max-grammar-rules`).
-    max_grammar_rules: int = 20_000
-    # Alternatives of a `choice` constraint (`--max-choices`).
-    max_choices: int = 200_000
 
 
 def too_complex(field: str, what: str, limit: int, flag: str) -> RpcError:

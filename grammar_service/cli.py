@@ -5,12 +5,30 @@ from __future__ import annotations
 import argparse
 import sys
 
+from grammar_service.config import (
+    DEFAULT_DRAIN_GRACE_S,
+    DEFAULT_PORT,
+    SCHEMA_MODES,
+    CompileSettings,
+    ConstraintBounds,
+    Limits,
+    ParserLimits,
+    ProcessSettings,
+    SandboxConfig,
+)
 from maskwire.server_args import add_grpc_server_arguments
-from maskwire.tls import TLSConfigError, server_credentials_from_args
+
+# Every default is the configuration's (`grammar_service.config`): defined there, once.
+COMPILE = CompileSettings()
+SANDBOX = SandboxConfig()
+LIMITS = Limits()
+BOUNDS = ConstraintBounds()
+PARSER = ParserLimits()
+PROCESS = ProcessSettings()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_grpc_server_arguments(p, port=50061, drain_grace_s=5.0)
+    add_grpc_server_arguments(p, port=DEFAULT_PORT, drain_grace_s=DEFAULT_DRAIN_GRACE_S)
     p.add_argument(
         "--tokenizer",
         action="append",
@@ -19,11 +37,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "directory or a Mistral Tekken json; repeatable (requests pick one by fingerprint). "
         "Default: `default`",
     )
-    p.add_argument("--max-requests", type=int, default=4096, help="live requests, all streams")
+    p.add_argument(
+        "--max-requests",
+        type=int,
+        default=LIMITS.max_requests,
+        help="live requests, all streams",
+    )
     p.add_argument(
         "--max-requests-per-stream",
         type=int,
-        default=1024,
+        default=LIMITS.max_requests_per_stream,
         help="live requests one Session stream may hold, so one client cannot take every slot "
         "(keep it at least the workers' --max-batch-size + --max-queue: a worker keeps one "
         "stream per replica)",
@@ -31,31 +54,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-schema-bytes",
         type=int,
-        default=1 << 20,
+        default=COMPILE.max_schema_bytes,
         help="largest constraint: its text and every option string together (bytes)",
     )
-    p.add_argument("--compile-timeout-s", type=float, default=10.0, help="deadline per compile")
+    p.add_argument(
+        "--compile-timeout-s",
+        type=float,
+        default=COMPILE.timeout_s,
+        help="deadline per compile",
+    )
     p.add_argument(
         "--schema-mode",
-        choices=("complete", "strict"),
-        default="complete",
+        choices=SCHEMA_MODES,
+        default=COMPILE.schema_mode,
         help="JSON schema keywords llguidance cannot enforce as written: `complete` rewrites, "
         "annotates or checks them on the output (every finished output is validated against the "
         "schema); `strict` refuses such schemas. Requests may choose with "
         "JsonOptions.schema_mode",
     )
-    p.add_argument("--compile-cache-size", type=int, default=1024, help="compiled grammars kept")
+    p.add_argument(
+        "--compile-cache-size",
+        type=int,
+        default=COMPILE.cache_size,
+        help="compiled grammars kept",
+    )
     p.add_argument(
         "--compile-cache-bytes",
         type=int,
-        default=512 << 20,
+        default=COMPILE.cache_bytes,
         help="estimated memory of the compiled grammars kept (bytes; each is charged 160 KiB + "
         "200 bytes per byte of its grammar text); least recently used ones go first",
     )
     p.add_argument(
         "--compile-threads",
         type=int,
-        default=2,
+        default=COMPILE.threads,
         help="threads that translate constraints and build matchers in this process",
     )
     sb = p.add_argument_group(
@@ -68,23 +101,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="verify every new grammar in a child process first, so a grammar that crashes or "
         "runs away kills a child, not this service (default on; off only for debugging)",
     )
-    sb.add_argument("--compile-workers", type=int, default=2, help="sandbox child processes")
+    sb.add_argument(
+        "--compile-workers", type=int, default=SANDBOX.workers, help="sandbox child processes"
+    )
     sb.add_argument(
         "--compile-memory-mb",
         type=int,
-        default=4096,
+        default=SANDBOX.memory_mb,
         help="address-space limit of one sandbox child (MiB; 0: none)",
     )
     sb.add_argument(
         "--compile-stack-mb",
         type=int,
-        default=256,
+        default=SANDBOX.stack_mb,
         help="stack of the thread that compiles in a sandbox child (MiB)",
     )
     sb.add_argument(
         "--compile-large-bytes",
         type=int,
-        default=64 << 10,
+        default=SANDBOX.large_bytes,
         help="grammars larger than this may occupy at most all but one sandbox child, so small "
         "grammars never queue behind big ones",
     )
@@ -97,13 +132,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sb.add_argument(
         "--poison-ttl-s",
         type=float,
-        default=3600.0,
+        default=COMPILE.poison_ttl_s,
         help="how long a constraint that crashed this service stays refused",
     )
     sb.add_argument(
         "--thread-stack-mb",
         type=int,
-        default=256,
+        default=PROCESS.thread_stack_mb,
         help="stack of this service's threads (MiB): llguidance recurses over a grammar's "
         "structure natively",
     )
@@ -111,54 +146,75 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--max-schema-depth",
         type=int,
-        default=256,
+        default=BOUNDS.max_schema_depth,
         help="longest chain of nested subschemas in a JSON schema, counting $ref hops",
     )
     b.add_argument(
-        "--max-schema-nodes", type=int, default=200_000, help="objects and arrays in one schema"
+        "--max-schema-nodes",
+        type=int,
+        default=BOUNDS.max_schema_nodes,
+        help="objects and arrays in one schema",
     )
     b.add_argument(
         "--max-grammar-depth",
         type=int,
-        default=256,
+        default=BOUNDS.max_grammar_depth,
         help="longest chain of rule references in a Lark/GBNF grammar",
     )
     b.add_argument(
-        "--max-grammar-rules", type=int, default=20_000, help="rules in one Lark/GBNF grammar"
+        "--max-grammar-rules",
+        type=int,
+        default=BOUNDS.max_grammar_rules,
+        help="rules in one Lark/GBNF grammar",
     )
-    b.add_argument("--max-choices", type=int, default=200_000, help="alternatives of a choice")
+    b.add_argument(
+        "--max-choices", type=int, default=BOUNDS.max_choices, help="alternatives of a choice"
+    )
     p.add_argument(
         "--mask-threads",
         type=int,
-        default=0,
+        default=PROCESS.mask_threads,
         help="llguidance executor threads for batched mask fill (0: every CPU this process may "
         "use; llguidance's own default is 80%% of them)",
     )
-    p.add_argument("--max-rows-per-step", type=int, default=4096, help="rows in one Step")
+    p.add_argument(
+        "--max-rows-per-step",
+        type=int,
+        default=LIMITS.max_rows_per_step,
+        help="rows in one Step",
+    )
     p.add_argument(
         "--max-request-step-ms",
         type=float,
-        default=20.0,
+        default=LIMITS.max_request_step_s * 1e3,
         help="CPU time one request's grammar work may take in one step; past it the request "
         "fails (GRAMMAR_TOO_EXPENSIVE) so the others on its stream keep their step times",
     )
     p.add_argument(
         "--max-replay-ms",
         type=float,
-        default=2000.0,
+        default=LIMITS.max_replay_s * 1e3,
         help="CPU time replaying one request's tokens (Open.replay_tokens) may take",
     )
-    p.add_argument("--max-drafts-per-row", type=int, default=64, help="draft tokens per row")
+    p.add_argument(
+        "--max-drafts-per-row",
+        type=int,
+        default=LIMITS.max_drafts_per_row,
+        help="draft tokens per row",
+    )
     p.add_argument(
         "--compact-min-rows",
         type=int,
-        default=16,
+        default=LIMITS.compact_min_rows,
         help="for clients that accept compact masks (Step.compact_masks): encode a step's mask "
         "rows compactly from this many rows (smaller steps go dense: on loopback their bytes "
         "cost less than encoding and decoding them)",
     )
     p.add_argument(
-        "--max-message-bytes", type=int, default=64 * 1024 * 1024, help="gRPC message size limit"
+        "--max-message-bytes",
+        type=int,
+        default=PROCESS.max_message_bytes,
+        help="gRPC message size limit",
     )
     p.add_argument(
         "--testing-faults",
@@ -168,28 +224,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "without this flag the variable does nothing",
     )
     g = p.add_argument_group("llguidance parser limits")
-    g.add_argument("--max-items-in-row", type=int, default=2000)
-    g.add_argument("--initial-lexer-fuel", type=int, default=1_000_000)
-    g.add_argument("--step-lexer-fuel", type=int, default=200_000)
-    g.add_argument("--step-max-items", type=int, default=50_000)
-    g.add_argument("--max-lexer-states", type=int, default=250_000)
-    g.add_argument("--max-grammar-size", type=int, default=500_000)
+    g.add_argument("--max-items-in-row", type=int, default=PARSER.max_items_in_row)
+    g.add_argument("--initial-lexer-fuel", type=int, default=PARSER.initial_lexer_fuel)
+    g.add_argument("--step-lexer-fuel", type=int, default=PARSER.step_lexer_fuel)
+    g.add_argument("--step-max-items", type=int, default=PARSER.step_max_items)
+    g.add_argument("--max-lexer-states", type=int, default=PARSER.max_lexer_states)
+    g.add_argument("--max-grammar-size", type=int, default=PARSER.max_grammar_size)
 
 
 def run(args: argparse.Namespace) -> int:
+    from grammar_service.config import service_config
     from grammar_service.server import main
     from maskwire import event_loop
+    from maskwire.config import ConfigError
     from maskwire.logs import setup_logging
 
     setup_logging(args.log_level)
-    if args.max_requests_per_stream < 1:
-        print(
-            "maskwire grammar-service: --max-requests-per-stream must be 1 or more", file=sys.stderr
-        )
-        return 2
     try:
-        credentials = server_credentials_from_args(args)
-    except TLSConfigError as e:
+        config = service_config(args)
+    except ConfigError as e:
         print(f"maskwire grammar-service: {e}", file=sys.stderr)
         return 2
-    return event_loop.run(main(args, credentials), args.event_loop)
+    return event_loop.run(main(config), config.server.event_loop)

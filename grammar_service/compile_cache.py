@@ -23,6 +23,7 @@ import grpc
 
 from grammar_service import metrics
 from grammar_service.compiler import CompiledGrammar
+from grammar_service.config import CompileSettings
 from maskwire.rpc import RpcError
 
 # What one compiled grammar holds, estimated: a fixed part (its matcher and tables for the
@@ -39,7 +40,7 @@ def entry_bytes(item: CompiledGrammar) -> int:
 
 
 class CompileCache:
-    def __init__(self, capacity: int, capacity_bytes: int = 512 << 20) -> None:
+    def __init__(self, capacity: int, capacity_bytes: int = CompileSettings.cache_bytes) -> None:
         """`capacity`: entries kept; `capacity_bytes`: their estimated memory (`entry_bytes`)."""
         self.capacity = max(0, capacity)
         self.capacity_bytes = max(0, capacity_bytes)

@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 import grpc
 
 from grammar_service import metrics
-from grammar_service.bounds import ConstraintBounds
 from grammar_service.compiler import (
     COMPLETE,
     CompiledGrammar,
@@ -40,6 +39,7 @@ from grammar_service.compiler import (
     translate,
     verify,
 )
+from grammar_service.config import CompileSettings, ConstraintBounds
 from grammar_service.poison import PoisonList
 from grammar_service.sandbox import Sandbox, SandboxCrashed, SandboxUnavailable
 from maskwire.rpc import RpcError
@@ -73,9 +73,9 @@ class Compiler:
         *,
         limits: ParserLimits,
         bounds: ConstraintBounds = ConstraintBounds(),  # noqa: B008 (frozen, immutable)
-        threads: int = 2,
-        timeout_s: float = 10.0,
-        max_schema_bytes: int = 1 << 20,
+        threads: int = CompileSettings.threads,
+        timeout_s: float = CompileSettings.timeout_s,
+        max_schema_bytes: int = CompileSettings.max_schema_bytes,
         sandbox: Sandbox | None = None,
         poison: PoisonList | None = None,
         schema_mode: int = COMPLETE,

@@ -29,7 +29,7 @@ import llguidance
 from google.protobuf.message import Message
 
 from grammar_service import bounds as shape
-from grammar_service.bounds import ConstraintBounds
+from grammar_service.config import ConstraintBounds, ParserLimits
 from grammar_service.json_options import (
     DEFAULT_ITEM_SEPARATOR,
     DEFAULT_KEY_SEPARATOR,
@@ -50,28 +50,18 @@ STRICT = common_pb2.SCHEMA_MODE_STRICT
 COMPLETE = common_pb2.SCHEMA_MODE_COMPLETE
 
 
-@dataclass(frozen=True)
-class ParserLimits:
-    """llguidance parser limits (see `llguidance.LLParserLimits`); flags of the CLI."""
-
-    max_items_in_row: int = 2000
-    initial_lexer_fuel: int = 1_000_000
-    step_lexer_fuel: int = 200_000
-    step_max_items: int = 50_000
-    max_lexer_states: int = 250_000
-    max_grammar_size: int = 500_000
-
-    def to_ll(self) -> llguidance.LLParserLimits:
-        # verbose_errors=False: errors name the problem without dumping parser state and grammar.
-        return llguidance.LLParserLimits(
-            max_items_in_row=self.max_items_in_row,
-            initial_lexer_fuel=self.initial_lexer_fuel,
-            step_lexer_fuel=self.step_lexer_fuel,
-            step_max_items=self.step_max_items,
-            max_lexer_states=self.max_lexer_states,
-            max_grammar_size=self.max_grammar_size,
-            verbose_errors=False,
-        )
+def ll_limits(limits: ParserLimits) -> llguidance.LLParserLimits:
+    """`limits` as llguidance takes them."""
+    # verbose_errors=False: errors name the problem without dumping parser state and grammar.
+    return llguidance.LLParserLimits(
+        max_items_in_row=limits.max_items_in_row,
+        initial_lexer_fuel=limits.initial_lexer_fuel,
+        step_lexer_fuel=limits.step_lexer_fuel,
+        step_max_items=limits.step_max_items,
+        max_lexer_states=limits.max_lexer_states,
+        max_grammar_size=limits.max_grammar_size,
+        verbose_errors=False,
+    )
 
 
 @dataclass(frozen=True)
@@ -513,13 +503,13 @@ def verify(grammar: str, tokenizer: Tokenizer, limits: ParserLimits, field: str)
     and compute its first mask and forced tokens, so that a grammar past the parser's limits is
     refused now with INVALID_ARGUMENT instead of failing its first request step."""
     testing_fault_point("sandbox", grammar)
-    ll_limits = limits.to_ll()
+    parser_limits = ll_limits(limits)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        grammar, tokenizer.ll, limits=ll_limits
+        grammar, tokenizer.ll, limits=parser_limits
     )
     if is_error:
         raise _rejected(field, clean_error(messages[0] if messages else "invalid grammar"))
-    matcher = llguidance.LLMatcher(tokenizer.ll, grammar, log_level=0, limits=ll_limits)
+    matcher = llguidance.LLMatcher(tokenizer.ll, grammar, log_level=0, limits=parser_limits)
     probe = matcher.deep_copy()
     if not probe.is_error():
         probe.compute_bitmask()
@@ -540,7 +530,7 @@ def verify(grammar: str, tokenizer: Tokenizer, limits: ParserLimits, field: str)
 def build_template(grammar: str, tokenizer: Tokenizer, limits: ParserLimits, field: str) -> Any:
     """The service's template matcher for a grammar that `verify` accepted (in the sandbox)."""
     testing_fault_point("service", grammar)
-    template = llguidance.LLMatcher(tokenizer.ll, grammar, log_level=0, limits=limits.to_ll())
+    template = llguidance.LLMatcher(tokenizer.ll, grammar, log_level=0, limits=ll_limits(limits))
     if template.is_error():
         raise _rejected(field, clean_error(template.get_error()))
     return template

@@ -27,13 +27,15 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
+from grammar_service.config import CompileSettings
+
 log = logging.getLogger(__name__)
 
 _MAX_ENTRIES = 10_000
 
 
 class PoisonList:
-    def __init__(self, state_dir: Path | None, ttl_s: float = 3600.0) -> None:
+    def __init__(self, state_dir: Path | None, ttl_s: float = CompileSettings.poison_ttl_s) -> None:
         self.ttl_s = ttl_s
         self.state_dir = state_dir
         self._poison: OrderedDict[str, tuple[str, float]] = OrderedDict()  # key -> (why, until)

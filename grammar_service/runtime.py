@@ -7,7 +7,6 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -17,6 +16,7 @@ from grammar_service.backend import Backend
 from grammar_service.compile_cache import CompileCache
 from grammar_service.compile_pool import Compiler
 from grammar_service.compiler import CompiledGrammar, grammar_key
+from grammar_service.config import Limits
 from maskwire.cpus import available_cpus
 from maskwire.rpc import RpcError
 from maskwire.tokenizer import Fingerprint, Tokenizer
@@ -25,23 +25,6 @@ from maskwire.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Service-wide limits (CLI flags)."""
-
-    max_requests: int = 4096
-    # Live requests one Session stream may hold, so one client cannot take every slot. A worker
-    # keeps one stream per replica for all its requests: at least its batch + queue (264).
-    max_requests_per_stream: int = 1024
-    max_rows_per_step: int = 4096
-    max_drafts_per_row: int = 64
-    # Steps with fewer mask rows are answered dense even when the client accepts compact rows.
-    compact_min_rows: int = 16
-    # CPU time one request's grammar work may take in one step, and in one replay (seconds).
-    max_request_step_s: float = 0.02
-    max_replay_s: float = 2.0
 
 
 class Runtime:

@@ -39,7 +39,8 @@ from typing import Any
 import grpc
 
 from grammar_service import metrics
-from grammar_service.compiler import ParserLimits, arm_testing_faults, verify
+from grammar_service.compiler import arm_testing_faults, verify
+from grammar_service.config import ParserLimits, SandboxConfig
 from maskwire.rpc import RpcError
 
 log = logging.getLogger(__name__)
@@ -48,17 +49,6 @@ log = logging.getLogger(__name__)
 _START_TIMEOUT_S = 120.0
 # Back-off between attempts to start a child that keeps failing to start.
 _START_BACKOFF_S = (1.0, 30.0)
-
-
-@dataclass(frozen=True)
-class SandboxConfig:
-    """Sizing of the sandbox (CLI flags of the grammar service)."""
-
-    workers: int = 2  # --compile-workers
-    memory_mb: int = 4096  # --compile-memory-mb: address-space limit of one child
-    stack_mb: int = 256  # --compile-stack-mb: stack of the thread that compiles
-    large_bytes: int = 64 << 10  # --compile-large-bytes: grammars above this use the large lane
-    testing_faults: str = ""  # the test-only fault hook's specs the children arm (--testing-faults)
 
 
 class SandboxCrashed(Exception):
@@ -215,7 +205,10 @@ class Sandbox:
     """A pool of compile children with deadlines, crash detection and two lanes."""
 
     def __init__(
-        self, specs: Sequence[str], limits: ParserLimits, config: SandboxConfig = SandboxConfig()
+        self,
+        specs: Sequence[str],
+        limits: ParserLimits,
+        config: SandboxConfig = SandboxConfig(),  # noqa: B008 (frozen, immutable)
     ) -> None:
         if not specs or any(not s for s in specs):
             raise ValueError("the sandbox needs a tokenizer SPEC for every served tokenizer")

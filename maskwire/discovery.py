@@ -290,14 +290,17 @@ class Resolver:
 
 
 def add_refresh_argument(
-    parser: argparse.ArgumentParser, flag: str = "--grammar-dns-refresh-s"
+    parser: argparse.ArgumentParser,
+    flag: str = "--grammar-dns-refresh-s",
+    *,
+    default: float = DEFAULT_REFRESH_S,
 ) -> None:
     """Add the refresh-period flag to a service's CLI (seconds between DNS resolutions)."""
     parser.add_argument(
         flag,
         type=float,
-        default=DEFAULT_REFRESH_S,
+        default=default,
         metavar="SECONDS",
         help="how often dns:/// targets are re-resolved to find added or removed replicas "
-        f"(default {DEFAULT_REFRESH_S:g})",
+        f"(default {default:g})",
     )

@@ -1,11 +1,18 @@
-"""The flags every maskwire gRPC server takes: where to listen, metrics, drain, logs, TLS, loop."""
+"""The flags every maskwire gRPC server takes (where to listen, metrics, drain, logs, TLS, loop),
+and the checked `ServerConfig` they build."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from maskwire.config import ConfigError
 from maskwire.event_loop import add_event_loop_argument
-from maskwire.tls import add_server_tls_arguments
+from maskwire.tls import add_server_tls_arguments, server_credentials_from_args
+
+if TYPE_CHECKING:  # grpc is imported where credentials are built: CLI modules stay light
+    import grpc
 
 
 def add_grpc_server_arguments(
@@ -27,3 +34,49 @@ def add_grpc_server_arguments(
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING... (default INFO)")
     add_server_tls_arguments(p)
     add_event_loop_argument(p)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where and how a gRPC service listens: the flags `add_grpc_server_arguments` adds."""
+
+    host: str
+    port: int  # 0: a free one
+    metrics_port: int  # 0: no /metrics server
+    health_port: int  # 0: no extra plaintext health port
+    drain_grace_s: float
+    log_level: str | None
+    event_loop: str
+    credentials: grpc.ServerCredentials | None  # checked at start-up; None: plaintext
+    tls_mode: str  # "plaintext", "TLS" or "mutual TLS", for the start-up log line
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The server flags, checked (ports in range, certificate files readable and matching);
+    raises `ConfigError` naming the flag."""
+    for flag, value in (
+        ("--port", args.port),
+        ("--metrics-port", args.metrics_port),
+        ("--health-port", args.health_port),
+    ):
+        if not 0 <= value <= 65535:
+            raise ConfigError(f"{flag} must be a port number, 0 to 65535 (0: {_zero(flag)})")
+    if args.drain_grace_s < 0:
+        raise ConfigError("--drain-grace-s must be >= 0")
+    credentials = server_credentials_from_args(args)
+    mode = "plaintext" if credentials is None else "mutual TLS" if args.tls_client_ca else "TLS"
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        health_port=args.health_port,
+        drain_grace_s=args.drain_grace_s,
+        log_level=args.log_level,
+        event_loop=args.event_loop,
+        credentials=credentials,
+        tls_mode=mode,
+    )
+
+
+def _zero(flag: str) -> str:
+    return "a free one" if flag == "--port" else "none"

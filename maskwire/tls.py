@@ -16,13 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from maskwire.config import ConfigError
+
 if TYPE_CHECKING:  # grpc is imported where credentials are built: CLI modules stay light
     import grpc
 
 ChannelOption = tuple[str, Any]
 
 
-class TLSConfigError(ValueError):
+class TLSConfigError(ConfigError):
     """TLS flags that cannot work (missing file, unparsable PEM, key not matching, half a pair)."""
 
 
@@ -115,13 +117,6 @@ def server_credentials(
 def server_credentials_from_args(args: argparse.Namespace) -> grpc.ServerCredentials | None:
     """Credentials from `add_server_tls_arguments` flags; raises `TLSConfigError`."""
     return server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
-
-
-def server_tls_mode(args: argparse.Namespace) -> str:
-    """ "plaintext", "TLS" or "mutual TLS", for the start-up log line."""
-    if not args.tls_cert:
-        return "plaintext"
-    return "mutual TLS" if args.tls_client_ca else "TLS"
 
 
 # ---------------------------------------------------------------------------------------- client

@@ -7,27 +7,42 @@ import sys
 
 from maskwire.discovery import add_refresh_argument
 from maskwire.server_args import add_grpc_server_arguments
-from maskwire.text import DEFAULT_MAX_PROMPT_BYTES
 from maskwire.tls import add_client_tls_arguments
+from neuron_worker.config import (
+    DEFAULT_DRAIN_GRACE_S,
+    DEFAULT_PORT,
+    GrammarSettings,
+    ModelSettings,
+    PromptLimits,
+)
+from neuron_worker.drafter import DEFAULT_SIZES, DraftConfig
+from neuron_worker.engine_config import EngineConfig
+
+# Every default is the configuration's (`neuron_worker.config`): defined there, once.
+MODEL = ModelSettings()
+ENGINE = EngineConfig()
+DRAFTS = DraftConfig()
+PROMPTS = PromptLimits()
+GRAMMAR = GrammarSettings()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_grpc_server_arguments(p, port=50051, drain_grace_s=10.0)
+    add_grpc_server_arguments(p, port=DEFAULT_PORT, drain_grace_s=DEFAULT_DRAIN_GRACE_S)
     p.add_argument(
         "--model",
-        default="default",
+        default=MODEL.spec,
         metavar="SPEC",
         help="`default` (embedded SmolLM2), a .gguf file or a HF checkpoint directory",
     )
     p.add_argument(
         "--grammar-service",
-        default="",
+        default=GRAMMAR.targets,
         metavar="HOST:PORT[,HOST:PORT...]",
         help="grammar-service replicas (or dns:///NAME:PORT for every address behind a name); "
         "required unless --disable-structured-outputs",
     )
-    add_refresh_argument(p)
-    p.add_argument("--device", choices=("cpu", "cuda", "xla"), default="cpu")
+    add_refresh_argument(p, default=GRAMMAR.dns_refresh_s)
+    p.add_argument("--device", choices=("cpu", "cuda", "xla"), default=MODEL.device)
     p.add_argument(
         "--dtype",
         choices=("auto", "float32", "bfloat16", "float16"),
@@ -55,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--enable-structured-outputs",
         dest="structured_outputs",
         action="store_true",
-        default=True,
+        default=ENGINE.structured_outputs,
         help="accept constrained requests; the sampler always takes a mask (default)",
     )
     so.add_argument(
@@ -64,54 +79,66 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="no grammar service, no mask input; constrained requests fail FAILED_PRECONDITION",
     )
-    p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
     p.add_argument(
-        "--max-seq-len", type=int, default=2048, help="context per request (prompt + output)"
+        "--max-batch-size", type=int, default=ENGINE.max_batch, help="requests decoded together"
     )
     p.add_argument(
-        "--max-queue", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED"
+        "--max-seq-len",
+        type=int,
+        default=ENGINE.max_seq_len,
+        help="context per request (prompt + output)",
     )
     p.add_argument(
-        "--max-prompt-tokens", type=int, default=0, help="longest prompt (0: --max-seq-len - 1)"
+        "--max-queue",
+        type=int,
+        default=ENGINE.max_queue,
+        help="waiting requests before RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=PROMPTS.max_prompt_tokens,
+        help="longest prompt (0: --max-seq-len - 1)",
     )
     p.add_argument(
         "--max-prompt-bytes",
         type=int,
-        default=DEFAULT_MAX_PROMPT_BYTES,
+        default=PROMPTS.max_prompt_bytes,
         help="longest text prompt in UTF-8 bytes, refused before it is tokenized "
-        f"(default {DEFAULT_MAX_PROMPT_BYTES // 1024 // 1024} MiB)",
+        f"(default {PROMPTS.max_prompt_bytes // 1024 // 1024} MiB)",
     )
     p.add_argument(
         "--tokenizer-threads",
         type=int,
-        default=2,
-        help="prompts tokenized at once, on threads off the event loop (default 2); each holds "
-        "about 90 MB per MiB of prompt while it runs",
+        default=PROMPTS.tokenizer_threads,
+        help="prompts tokenized at once, on threads off the event loop (default "
+        f"{PROMPTS.tokenizer_threads}); each holds about 90 MB per MiB of prompt while it runs",
     )
     p.add_argument(
         "--max-prefill-tokens",
         type=int,
-        default=4096,
+        default=ENGINE.max_prefill_tokens,
         help="padded tokens in one prefill batch (admission budget)",
     )
     p.add_argument(
         "--admit-window-ms",
         type=float,
-        default=20.0,
+        default=ENGINE.admit_window_s * 1e3,
         help="from idle, hold the first request up to this long for others to share its "
         "prefill; the wait ends sooner after --admit-quiet-ms without a new request or with a "
-        "full batch (default 20; 0: admit at once)",
+        f"full batch (default {ENGINE.admit_window_s * 1e3:g}; 0: admit at once)",
     )
     p.add_argument(
         "--admit-quiet-ms",
         type=float,
-        default=4.0,
-        help="gap between arrivals that ends the admission wait (default 4)",
+        default=ENGINE.admit_quiet_s * 1e3,
+        help="gap between arrivals that ends the admission wait "
+        f"(default {ENGINE.admit_quiet_s * 1e3:g})",
     )
     p.add_argument(
         "--flat-pass-tokens",
         type=int,
-        default=-1,
+        default=-1,  # auto: `EngineConfig.flat_tokens` None
         help="run a multi-token pass (forced tokens, draft verification, prefill) of at most "
         "this many tokens as one token per row, through the decode kernels (default -1: 512 "
         "where the decode attention kernel reads the cache in place, else max batch size x "
@@ -152,7 +179,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--jump-forward",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=ENGINE.jump_forward,
         help="run grammar-forced tokens through the model in one pass (default on)",
     )
     p.add_argument(
@@ -165,20 +192,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-draft-tokens",
         type=int,
-        default=4,
+        default=DRAFTS.num_draft_tokens,
         help="most draft tokens per request and step with --speculative (adaptive below it)",
     )
     p.add_argument(
         "--forced-draft-tokens",
         type=int,
-        default=8,
+        default=DRAFTS.forced_drafts,
         help="most drafts of the grammar's forced bytes per request and step with --speculative "
-        "(the next key after drafts that close a JSON string; default 8)",
+        f"(the next key after drafts that close a JSON string; default {DRAFTS.forced_drafts})",
     )
     p.add_argument(
         "--verify-pass-tokens",
         type=int,
-        default=-1,
+        default=-1,  # auto: decided by the device (`config._verify_pass_tokens`)
         help="most tokens in one verification pass, every row's pending, forced and draft "
         "tokens together; drafts beyond it are not proposed, but a copy that closes a string of "
         "a constrained output (the grammar's forced tail follows it) is not counted (default "
@@ -188,14 +215,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculation-gate",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=DRAFTS.gate,
         help="verify a step's drafts only when the step costs measured so far say the tokens "
         "they are expected to add pay for the wider pass (default on; off: verify every draft)",
     )
     p.add_argument(
         "--draft-match",
-        choices=("text", "tokens"),
-        default="text",
+        choices=tuple(DEFAULT_SIZES),
+        default=DRAFTS.match,
         help="what the drafter matches: `text` (default; finds copies however they were "
         "tokenized, e.g. a passage's ` Riverside` in a JSON value's `\"Riverside`) or token "
         "n-grams",
@@ -204,13 +231,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ngram-min",
         type=int,
         default=None,
-        help="shortest suffix the drafter matches, in bytes of text (default 2) or tokens (1)",
+        help="shortest suffix the drafter matches, in bytes of text (default "
+        f"{DEFAULT_SIZES['text'][0]}) or tokens ({DEFAULT_SIZES['tokens'][0]})",
     )
     p.add_argument(
         "--ngram-max",
         type=int,
         default=None,
-        help="longest suffix the drafter matches, in bytes of text (default 64) or tokens (4)",
+        help="longest suffix the drafter matches, in bytes of text (default "
+        f"{DEFAULT_SIZES['text'][1]}) or tokens ({DEFAULT_SIZES['tokens'][1]})",
     )
     p.add_argument(
         "--overlap",
@@ -223,26 +252,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grammar-timeout-s",
         type=float,
-        default=5.0,
+        default=GRAMMAR.step_timeout_s,
         help="per-step deadline for grammar answers; past it the affected requests fail",
     )
     p.add_argument(
         "--grammar-compact-masks",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=GRAMMAR.compact_masks,
         help="let the grammar service answer large steps with compact mask rows (fewer bytes; "
         "its --compact-min-rows picks the steps)",
     )
     p.add_argument(
         "--grammar-open-timeout-s",
         type=float,
-        default=30.0,
+        default=GRAMMAR.open_timeout_s,
         help="deadline for opening a request on the grammar service (includes compiling)",
     )
     p.add_argument(
         "--grammar-poison-after",
         type=int,
-        default=2,
+        default=GRAMMAR.poison_after,
         help="grammar replicas that may die holding one request's compile, Open or first step "
         "before the request fails as CONSTRAINT_CRASHED and its constraint is never sent again "
         "(the retry after the first death survives a machine failure)",
@@ -250,7 +279,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tensor-parallel-size",
         type=int,
-        default=1,
+        default=MODEL.tensor_parallel_size,
         metavar="N",
         help="shard the model over N ranks (N - 1 follower processes started by the worker; "
         "gloo on CPU, nccl on CUDA); the mask and the wire stay full-vocabulary",
@@ -258,21 +287,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tensor-parallel-timeout-s",
         type=float,
-        default=120.0,
+        default=MODEL.tensor_parallel_timeout_s,
         help="bound on the ranks' start-up rendezvous and on every collective: a rank that stops "
         "answering fails the worker's requests after this long, never hangs them",
     )
     p.add_argument(
         "--threads",
         type=int,
-        default=0,
+        default=MODEL.threads,
         help="torch CPU threads (0: torch's default, capped by the container's CPU limit; "
         "with tensor parallelism, per rank, default the CPUs divided by the ranks)",
     )
     p.add_argument(
         "--adaptive-threads",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=MODEL.adaptive_threads,
         help="on CPU, shrink the torch thread team while other processes hold the CPUs it runs on "
         "(measured per device call from the threads' scheduler wait) and grow it back when they "
         "are free; off: always --threads (default on)",
@@ -284,24 +313,13 @@ def run(args: argparse.Namespace) -> int:
     from maskwire.logs import setup_logging
 
     setup_logging(args.log_level)
-    if args.structured_outputs and not args.grammar_service:
-        print(
-            "maskwire worker: --grammar-service HOST:PORT is required with structured outputs "
-            "enabled (or pass --disable-structured-outputs)",
-            file=sys.stderr,
-        )
-        return 2
-    from maskwire.tls import TLSConfigError, client_tls_from_args, server_credentials_from_args
-
-    try:  # before the model loads: a bad certificate path fails in a second, not a minute
-        credentials = server_credentials_from_args(args)
-        grammar_tls = client_tls_from_args(args, "grammar")
-    except TLSConfigError as e:
-        print(f"maskwire worker: {e}", file=sys.stderr)
-        return 2
     from maskwire import event_loop
     from neuron_worker.app import serve
+    from neuron_worker.config import ConfigError, worker_config
 
-    return event_loop.run(
-        serve(args, credentials=credentials, grammar_tls=grammar_tls), args.event_loop
-    )
+    try:  # before the model loads: a bad flag or certificate fails in a second, not a minute
+        config = worker_config(args)
+    except ConfigError as e:
+        print(f"maskwire worker: {e}", file=sys.stderr)
+        return 2
+    return event_loop.run(serve(config), config.server.event_loop)

@@ -22,7 +22,7 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
     # From idle, how long the first request may wait for others to share its prefill (at most),
     # and the gap between arrivals that ends the wait early; 0 = admit at once.
-    admit_window_s: float = 0.0
+    admit_window_s: float = 0.020
     admit_quiet_s: float = 0.004
     # Multi-token passes of at most this many tokens run one token per row (`neuron_worker.graphs`,
     # dynamic shapes); None = the runner's default, 0 = never.

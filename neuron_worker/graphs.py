@@ -58,10 +58,8 @@ log = logging.getLogger(__name__)
 # KV lengths are rounded up to this many positions (aligned attention reads, fewer distinct
 # shapes for the bucketed policy's neighbours).
 KV_ALIGN = 64
-# The layout of the dynamic graphs: their kinds and symbolic ranges. torch's FX graph cache keys
-# a graph without the ranges it was compiled for, so graphs of another layout must not share a
-# cache directory (`app.ranges_dir` names it). Bump it when a kind's range changes.
-GRAPH_LAYOUT = 2
+# The dynamic graphs' kinds and symbolic ranges are versioned by `compile_cache.GRAPH_LAYOUT`:
+# bump it when a kind's range changes.
 # Flat passes run at most this many rows (larger ones in chunks, where attention reads in place):
 # without that kernel a flat row gathers its slot's KV (~1.5 MB per row at a 2048 KV length for
 # SmolLM2), and the largest pass runs at warm-up.

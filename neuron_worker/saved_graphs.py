@@ -32,6 +32,7 @@ import torch._inductor.config
 from torch import nn
 
 from neuron_worker.backends import LEAN_WRAPPER, serving_guards
+from neuron_worker.compile_cache import count_saved_graph
 
 log = logging.getLogger(__name__)
 
@@ -43,20 +44,6 @@ _KEYED_ELSEWHERE = ("torch.",)
 # What decides how a graph is compiled and which guards it keeps (a graph saved under an older
 # guard policy would refuse inputs the current one accepts, e.g. a new intra-op team size).
 _POLICY_SOURCES = ("neuron_worker/backends.py", "neuron_worker/saved_graphs.py")
-
-
-def counts() -> tuple[int, int]:
-    """(graphs loaded from saved files, graphs compiled and saved) in this process so far."""
-    from torch._dynamo.utils import counters
-
-    c = counters["saved_graphs"]
-    return int(c["loaded"]), int(c["compiled"])
-
-
-def _count(what: str) -> None:
-    from torch._dynamo.utils import counters
-
-    counters["saved_graphs"][what] += 1
 
 
 def _portable_guards(entries: Sequence[Any]) -> list[bool]:
@@ -135,7 +122,7 @@ class SavedGraphs:
             log.warning("saved graph %s does not load (%s): compiling it again", path, e)
             return None
         graph.disable_guard_check()  # `__call__` checks them, to fall back instead of raising
-        _count("loaded")
+        count_saved_graph("loaded")
         return graph
 
     def _compile_and_save(self, kind: str, function: str, args: tuple[torch.Tensor, ...]) -> Any:
@@ -154,7 +141,7 @@ class SavedGraphs:
             log.warning("graph %s cannot be precompiled (%s): compiling it each start", kind, e)
             return None
         graph.disable_guard_check()
-        _count("compiled")
+        count_saved_graph("compiled")
         unkeyed = sorted(
             s.module
             for s in graph.source_info().inlined_sources

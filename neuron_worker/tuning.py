@@ -11,21 +11,17 @@ that compare with transformers).
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
-import shutil
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch._functorch.config
-import torch._inductor.config
 
+from maskwire.config import ConfigError
 from maskwire.gguf_file import Q4_1, GGUFFile
 from maskwire.tokenizer import TokenizerLoadError, resolve_spec
 from neuron_worker import kernels
+from neuron_worker.compile_cache import default_root
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +86,6 @@ def q4_checkpoint(spec: str) -> bool:
     return bool(ffn) and all(t.ggml_type == Q4_1 for t in ffn)
 
 
-def default_compile_cache() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "maskwire" / "compile"
-
-
 def resolve(
     *,
     device: str,
@@ -113,15 +104,15 @@ def resolve(
     compiled graphs, and the weight-only kernels quantize whole tensors)."""
     if tensor_parallel > 1:
         if device == "xla":
-            raise SystemExit(
+            raise ConfigError(
                 "--tensor-parallel-size > 1 needs --device cpu or cuda: the XLA collectives "
                 "(xm.all_reduce / all_gather over the Neuron TP group, docs/neuron.md) are not "
                 "written yet"
             )
         if compile:
-            raise SystemExit("--compile needs --tensor-parallel-size 1 (sharded models run eager)")
+            raise ConfigError("--compile needs --tensor-parallel-size 1 (sharded models run eager)")
         if quantize not in ("auto", "none"):
-            raise SystemExit(f"--quantize {quantize} needs --tensor-parallel-size 1")
+            raise ConfigError(f"--quantize {quantize} needs --tensor-parallel-size 1")
         compile, quantize = False, "none"
     if dtype == "auto":
         resolved_dtype = torch.bfloat16 if native_bf16(device) else torch.float32
@@ -140,18 +131,18 @@ def resolve(
             else "none"
         )
     elif quantize != "none" and device != "cpu":
-        raise SystemExit(f"--quantize {quantize} needs --device cpu (its kernels are CPU ones)")
+        raise ConfigError(f"--quantize {quantize} needs --device cpu (its kernels are CPU ones)")
     if quantize != "none" and resolved_dtype not in (torch.bfloat16, torch.float32):
-        raise SystemExit(f"--quantize {quantize} needs bfloat16 or float32 activations")
+        raise ConfigError(f"--quantize {quantize} needs bfloat16 or float32 activations")
     cache: Path | None = None
     if compiled and compile_cache != "":
-        cache = Path(compile_cache) if compile_cache else default_compile_cache()
+        cache = Path(compile_cache) if compile_cache else default_root()
     # Every graph a request can hit is built before the worker reports ready.
     warm = warmup if warmup is not None else (compiled or device == "xla")
     # CUDA graphs replay the compiled decode pass; they are captured at warm-up.
     graphable = device == "cuda" and compiled and warm
     if cuda_graphs and not graphable:
-        raise SystemExit("--cuda-graphs needs --device cuda, compiled graphs and the warm-up")
+        raise ConfigError("--cuda-graphs needs --device cuda, compiled graphs and the warm-up")
     return Tuning(
         dtype=resolved_dtype,
         compile=compiled,
@@ -163,107 +154,4 @@ def resolve(
         # a forward takes a few ms (an accelerator), not on a CPU (20-40 ms per pass).
         overlap=overlap if overlap is not None else device != "cpu",
         cuda_graphs=cuda_graphs if cuda_graphs is not None else graphable,
-    )
-
-
-def use_compile_cache(path: Path | None) -> Path | None:
-    """Point inductor's on-disk caches (FX graphs, AOT autograd, generated kernels) at `path`
-    so a restart loads the compiled graphs instead of compiling them. An unusable directory is
-    a warning, not a failure: the worker then compiles into a temporary cache. So is a damaged
-    one (see `damaged_entry`): its inductor caches are removed and the worker compiles again."""
-    if path is None:
-        return None
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".writable"
-        probe.write_text("ok")
-        probe.unlink()
-        inductor = path / "inductor"
-        if _sole_user(path) and (damage := damaged_entry(inductor)):
-            log.warning("compile cache %s is damaged (%s): compiling it again", path, damage)
-            shutil.rmtree(inductor)
-    except OSError as e:
-        log.warning("compile cache %s is not usable (%s): compiling without it", path, e)
-        return None
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
-    torch._inductor.config.fx_graph_cache = True
-    torch._functorch.config.enable_autograd_cache = True
-    return path
-
-
-_in_use: dict[Path, int] = {}  # cache directory -> the open lock file that marks it in use
-
-
-def _sole_user(path: Path) -> bool:
-    """Mark `path` in use by this process for its lifetime (a shared lock), and say whether no
-    other process had it in use: only then may damaged entries be removed, as a kernel that
-    another worker is compiling right now is half-written, not damaged."""
-    fd = _in_use.get(path)
-    if fd is None:
-        fd = _in_use[path] = os.open(path / ".in-use", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        return False
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    return True
-
-
-def damaged_entry(inductor: Path) -> str | None:
-    """The first entry of an inductor cache that torch would fail on instead of compiling
-    again, described, or None. torch detects a damaged FX graph or AOT autograd entry itself (a
-    warning, then a compile), but trusts the generated modules and kernels that those entries
-    name: an empty or garbled `.py` or `.so`, or a directory where a module, kernel or lock
-    file belongs, stops the compile with an exception (torch 2.13, measured)."""
-    if not inductor.is_dir():
-        return None
-    for root, dirs, files in os.walk(inductor):
-        for name in dirs:
-            if Path(name).suffix in (".py", ".so", ".lock"):
-                return f"{Path(root, name)} is a directory"
-        for name in files:
-            file = Path(root, name)
-            if file.suffix == ".so" and not _whole_elf(file):
-                return f"{file} is not a whole shared library"
-            if file.suffix == ".py" and not _python_source(file):
-                return f"{file} is not a Python module"
-    return None
-
-
-def _whole_elf(file: Path) -> bool:
-    """Whether `file` starts with a 64-bit ELF header whose section headers lie inside it (a
-    truncated library fails this)."""
-    with file.open("rb") as f:
-        header = f.read(64)
-    if len(header) < 64 or header[:5] != b"\x7fELF\x02":
-        return False
-    order = "<" if header[5] == 1 else ">"
-    (shoff,) = struct.unpack_from(order + "Q", header, 0x28)
-    shentsize, shnum = struct.unpack_from(order + "HH", header, 0x3A)
-    return bool(shoff + shentsize * shnum <= file.stat().st_size)
-
-
-def _python_source(file: Path) -> bool:
-    """Whether `file` is non-empty, UTF-8 and compiles."""
-    try:
-        source = file.read_bytes().decode()
-        compile(source, str(file), "exec", dont_inherit=True)
-    except (UnicodeDecodeError, SyntaxError, ValueError):
-        return False
-    return bool(source.strip())
-
-
-def cache_use() -> tuple[int, int]:
-    """(graphs loaded from the compile cache, graphs compiled) in this process so far: inductor's
-    FX graph cache counters plus the saved forward graphs (`neuron_worker.saved_graphs`)."""
-    from torch._dynamo.utils import counters
-
-    from neuron_worker import saved_graphs
-
-    inductor = counters["inductor"]
-    loaded, compiled = saved_graphs.counts()
-    return (
-        int(inductor["fxgraph_cache_hit"]) + loaded,
-        int(inductor["fxgraph_cache_miss"]) + compiled,
     )

@@ -18,8 +18,8 @@ C++ compiler (inductor already does); where it or the CPU features are missing, 
 `MASKWIRE_KERNELS=0` is set, `available()` is False (the reason logged once) and the worker uses
 aten's int4 kernel and SDPA instead.
 
-The shared object is built into `<compile cache>/kernels/` (`set_kernel_dir`, which the worker
-calls with its `--compile-cache`), named by a hash of the sources (headers included), the torch
+The shared object is built into `<compile cache>/kernels/` (`compile_cache.kernel_directory`:
+under the worker's `--compile-cache`), named by a hash of the sources (headers included), the torch
 version and the compiler flags, so a restart loads it in milliseconds and an upgrade rebuilds it
 (~10 s).
 """
@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from neuron_worker.compile_cache import kernel_directory
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +82,8 @@ BLOCK_F32 = 8
 DISABLE_ENV = "MASKWIRE_KERNELS"
 
 _lock = threading.Lock()
-_kernel_dir: Path | None = None
 _loaded: KernelSet | None = None
 _tried = False
-
-
-def set_kernel_dir(path: Path | None) -> None:
-    """Where to build and find the kernels (`None`: under the default compile cache)."""
-    global _kernel_dir
-    _kernel_dir = path
 
 
 def available() -> bool:
@@ -134,9 +129,7 @@ def _load() -> KernelSet | None:
 def _build_somewhere(kernel_set: KernelSet) -> Path:
     """Build into the kernel directory, or into a temporary one where that is not writable (a
     read-only cache volume): the kernels then cost a build at every start, not the speed."""
-    from neuron_worker.tuning import default_compile_cache  # tuning asks this module first
-
-    directory = _kernel_dir or default_compile_cache() / "kernels"
+    directory = kernel_directory()
     try:
         return build(directory, kernel_set)
     except PermissionError as exc:

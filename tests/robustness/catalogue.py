@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from grammar_service.runtime import Limits
+from grammar_service.config import Limits
 from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import common_pb2, grammar_pb2, worker_pb2
 from tests.robustness.stack import MAX_SEQ_LEN, MODEL

@@ -32,8 +32,9 @@ import torch
 from torch import Tensor
 
 from maskwire.tokenizer import load_tokenizer
-from neuron_worker import app, cli, kernels
+from neuron_worker import app, cli, compile_cache, kernels
 from neuron_worker.backends import create_backend
+from neuron_worker.config import fit_context, worker_config
 from neuron_worker.graphs import Pass
 from tests.integration.worker.conftest import chat
 from tests.support.processes import worker_args
@@ -129,30 +130,29 @@ class Decoder:
     def __init__(self, argv: Sequence[str]) -> None:
         parser = argparse.ArgumentParser()
         cli.add_arguments(parser)
-        args = parser.parse_args(list(argv))
-        torch.set_num_threads(args.threads or app.rank_threads(args.tensor_parallel_size))
-        self.settings = app.resolve_settings(args)
-        cache = app.use_caches(args, self.settings)
+        # The grammar service named is never dialled: the decoder runs forward passes only.
+        config = worker_config(parser.parse_args(["--grammar-service", "127.0.0.1:50061", *argv]))
+        tp = config.model.tensor_parallel_size
+        torch.set_num_threads(config.model.threads or app.rank_threads(tp))
+        self.settings = config.tuning
+        cache = app.use_compile_cache(config)
         backend = create_backend(
-            args.device, compile=self.settings.compile, cuda_graphs=self.settings.cuda_graphs
+            config.model.device,
+            compile=self.settings.compile,
+            cuda_graphs=self.settings.cuda_graphs,
         )
-        model = app.load_worker_model(args, self.settings, backend)
-        config = app.engine_config(
-            args,
-            int(model.config.max_seq_len),
-            bucketed=backend.name == "xla",
-            overlap=self.settings.overlap,
-        )
-        self.tokenizer = load_tokenizer(args.model)
+        model = app.load_worker_model(config, backend)
+        engine = fit_context(config.engine, int(model.config.max_seq_len))
+        self.tokenizer = load_tokenizer(config.model.spec)
         self.eos = set(self.tokenizer.eos_token_ids)
         self.vocab = self.tokenizer.vocab_size
         self.device = app.build_step_device(
             model,
             backend,
-            config,
+            engine,
             vocab_size=self.vocab,
             eos_ids=tuple(self.eos),
-            graph_dir=app.graph_dir(cache, backend),
+            graph_dir=compile_cache.graph_directory(cache, backend.name),
         )
         self.device.setup()
         chosen = kernels.cpu_kernel_set()

@@ -18,7 +18,8 @@ from gateway.chat_template import ChatTemplate, build_prompt
 from gateway.tool_formats import FORMATS, ToolFormat, detect
 from gateway.tool_formats.mistral import TOOL_CALLS
 from gateway.tool_parser import LeadingCallsParser, Merged, OutputParser
-from grammar_service.compiler import ParserLimits, compile_constraint
+from grammar_service.compiler import compile_constraint
+from grammar_service.config import ParserLimits
 from maskwire.tokenizer import Tokenizer, load_tokenizer, tekken_path
 from maskwire.v1 import common_pb2
 from tests.unit.gateway.fake_worker import CHATML

@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from grammar_service.compiler import COMPLETE, CompiledGrammar, ParserLimits, compile_constraint
+from grammar_service.compiler import COMPLETE, CompiledGrammar, compile_constraint
+from grammar_service.config import ParserLimits
 from grammar_service.schema.checks import new_validator
 from grammar_service.schema.monitor import Monitor, token_classes
 from maskwire.tokenizer import Tokenizer

@@ -8,8 +8,9 @@ from typing import Any
 import grpc
 import pytest
 
-from grammar_service.bounds import ConstraintBounds, grammar_shape, schema_shape
-from grammar_service.compiler import ParserLimits, compile_constraint
+from grammar_service.bounds import grammar_shape, schema_shape
+from grammar_service.compiler import compile_constraint
+from grammar_service.config import ConstraintBounds, ParserLimits
 from maskwire.rpc import RpcError
 from maskwire.tokenizer import Tokenizer, load_tokenizer
 from maskwire.v1 import common_pb2

@@ -5,7 +5,8 @@ import json
 import grpc
 import pytest
 
-from grammar_service.compiler import ParserLimits, compile_constraint, translate
+from grammar_service.compiler import compile_constraint, translate
+from grammar_service.config import ParserLimits
 from maskwire.rpc import RpcError
 from maskwire.tokenizer import Tokenizer, load_tokenizer, tekken_path
 from maskwire.v1 import common_pb2

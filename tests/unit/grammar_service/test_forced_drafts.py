@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from grammar_service.runtime import Limits
+from grammar_service.config import Limits
 from grammar_service.session import Session
 from maskwire.bitmask import step_masks
 from maskwire.tokenizer import Tokenizer, load_tokenizer

@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grammar_service.compiler import STRICT, ParserLimits, compile_constraint
+from grammar_service.compiler import STRICT, compile_constraint
+from grammar_service.config import ParserLimits
 from grammar_service.schema import formats
 from grammar_service.schema.formats import STEERS, checked_formats
 from grammar_service.schema.layer import prepare

@@ -8,7 +8,8 @@ import grpc
 import pytest
 
 from grammar_service.compile_pool import Compiler
-from grammar_service.compiler import ParserLimits, input_bytes
+from grammar_service.compiler import input_bytes
+from grammar_service.config import ParserLimits
 from maskwire.rpc import RpcError
 from maskwire.v1 import common_pb2
 

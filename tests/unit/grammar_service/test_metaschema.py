@@ -16,7 +16,8 @@ import jsonschema
 import pytest
 import referencing.exceptions
 
-from grammar_service.compiler import COMPLETE, STRICT, ParserLimits, compile_constraint
+from grammar_service.compiler import COMPLETE, STRICT, compile_constraint
+from grammar_service.config import ParserLimits
 from grammar_service.schema.metaschema import problem
 from grammar_service.schema.registry import OFFLINE
 from maskwire.rpc import RpcError

@@ -22,8 +22,8 @@ import pytest
 
 from grammar_service import metrics
 from grammar_service import sandbox as sandbox_module
-from grammar_service.compiler import ParserLimits
-from grammar_service.sandbox import Sandbox, SandboxConfig, SandboxCrashed, SandboxUnavailable
+from grammar_service.config import ParserLimits, SandboxConfig
+from grammar_service.sandbox import Sandbox, SandboxCrashed, SandboxUnavailable
 from maskwire.rpc import RpcError
 
 # The sandbox calls back into the loop that started it: fixtures and tests share one loop.

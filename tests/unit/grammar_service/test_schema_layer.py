@@ -259,7 +259,8 @@ def test_structural_tags_take_rewrites_but_refuse_run_time_keywords(tok: Tokeniz
         tag = common_pb2.StructuralTag(begin="<t>", json_schema=json.dumps(schema), end="</t>")
         return common_pb2.Constraint(structural_tags=common_pb2.StructuralTags(tags=[tag]))
 
-    from grammar_service.compiler import ParserLimits, compile_constraint
+    from grammar_service.compiler import compile_constraint
+    from grammar_service.config import ParserLimits
 
     ok = compile_constraint(tags({"type": "string", "format": "semver"}), tok, ParserLimits())
     assert ok.report is not None and ok.report.keywords[0].location == "tags[0]#"

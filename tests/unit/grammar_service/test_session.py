@@ -10,8 +10,8 @@ import pytest
 from grammar_service.backend import LlgBackend
 from grammar_service.compile_cache import CompileCache
 from grammar_service.compile_pool import Compiler
-from grammar_service.compiler import ParserLimits
-from grammar_service.runtime import Limits, Runtime
+from grammar_service.config import Limits, ParserLimits
+from grammar_service.runtime import Runtime
 from grammar_service.session import Session
 from maskwire.rpc import RpcError
 from maskwire.tokenizer import Tokenizer, load_tokenizer

@@ -16,6 +16,7 @@ import torch
 
 from neuron_worker import saved_graphs
 from neuron_worker.backends import create_backend
+from neuron_worker.compile_cache import saved_graph_counts
 from neuron_worker.graphs import CompileCounter, ForwardRunner, Pass
 from neuron_worker.model import build_model
 from tests.unit.model.tiny import TINY, random_weights, serving_tiny
@@ -33,7 +34,7 @@ def weights() -> dict[str, torch.Tensor]:
 def saved(weights: dict[str, torch.Tensor], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding the two graphs, compiled and saved by a first runner."""
     directory = tmp_path_factory.mktemp("graphs")
-    before = saved_graphs.counts()
+    before = saved_graph_counts()
     tiny_runner(weights, True, graph_dir=directory).warmup(lambda _: None)
     assert delta(before) == (0, 2)
     assert sorted(p.name.split("-")[0] for p in directory.glob("*.bin")) == sorted(KINDS)
@@ -42,14 +43,14 @@ def saved(weights: dict[str, torch.Tensor], tmp_path_factory: pytest.TempPathFac
 
 def delta(before: tuple[int, int]) -> tuple[int, int]:
     """(loaded, compiled) saved graphs since `before`."""
-    now = saved_graphs.counts()
+    now = saved_graph_counts()
     return now[0] - before[0], now[1] - before[1]
 
 
 def test_the_next_runner_loads_every_graph_and_compiles_nothing(
     weights: dict[str, torch.Tensor], saved: Path
 ) -> None:
-    before = saved_graphs.counts()
+    before = saved_graph_counts()
     counter = CompileCounter()
     counter.ready()  # from here, any graph compiled by torch.compile is counted
     again = tiny_runner(weights, True, graph_dir=saved)
@@ -74,11 +75,11 @@ def test_a_quantized_model_saves_a_graph_per_role_and_no_grid_where_attention_is
         kw: dict[str, Any] = {"max_rows": 4, "max_seq": 64, "pad_slot": 4, "flat_tokens": 16}
         return ForwardRunner(m, backend, graph_dir=tmp_path, **kw)
 
-    before = saved_graphs.counts()
+    before = saved_graph_counts()
     runner().warmup(lambda _: None)
     assert delta(before) == (0, 2)
     assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*.bin")) == ["decode", "prefill"]
-    before = saved_graphs.counts()
+    before = saved_graph_counts()
     runner().warmup(lambda _: None)
     assert delta(before) == (2, 0)
 
@@ -90,7 +91,7 @@ def test_a_damaged_file_is_compiled_again(
         (tmp_path / f.name).write_bytes(f.read_bytes())
     damaged = next(tmp_path.glob("multi-*.bin"))
     damaged.write_bytes(b"not a graph")
-    before = saved_graphs.counts()
+    before = saved_graph_counts()
     runner = tiny_runner(weights, True, graph_dir=tmp_path)
     with caplog.at_level(logging.WARNING, logger="neuron_worker.saved_graphs"):
         runner.warmup(lambda _: None)
