@@ -28,8 +28,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -45,11 +45,11 @@ from neuron_worker.graphs import CompileCounter, Pass
 from neuron_worker.metrics import Metrics
 from neuron_worker.penalties import OccurrenceTable
 from neuron_worker.request import Request, State, TokenLogprob
+from neuron_worker.sampling_rows import PAD_ROW, SamplingRow, SamplingRows
 from neuron_worker.scheduler import Scheduler, queue_full
 from neuron_worker.speculation_gate import SpeculationGate
 from neuron_worker.step_device import (
     DeviceLostError,
-    Extras,
     Logits,
     SampleBatch,
     Sampled,
@@ -69,9 +69,6 @@ _EMPTY_LANGUAGE = RpcError(
     [("constraint", "matches nothing")],
     reason="EMPTY_LANGUAGE",
 )
-
-
-_PAD_ROW: dict[str, float] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "offset": 0}
 
 
 @dataclass
@@ -912,40 +909,24 @@ class Engine:
         compact = np.empty((n, self.words), dtype=np.int32)
         dest = np.full(n, n, dtype=np.int64)
         ban_eos = np.zeros(n, dtype=bool)
-        params: dict[str, list[Any]] = {k: [] for k in _PAD_ROW}
-        extras = Extras(
-            penalties={k: [] for k in ("presence", "frequency", "repetition", "logit_bias")},
-            count=[],
-            reset=[],
-            slots=[],
-            raw_mode=[],
-        )
+        rows = SamplingRows([])
         m = 0
         for i, at in enumerate(positions):
             if at is None:  # a greedy row whose token is ignored
-                for k, v in _PAD_ROW.items():
-                    params[k].append(v)
-                self._no_extras(extras)
+                rows.rows.append(PAD_ROW)
                 continue
             req, j, c = at
-            s = req.sampling
-            params["temperature"].append(s.temperature)
-            params["top_p"].append(s.top_p)
-            params["top_k"].append(s.top_k)
-            params["seed"].append(s.seed)
-            params["offset"].append(req.sampled + c)
-            if j == 0:
-                self._add_extras(extras, req)
-            else:  # a draft position: requests with penalties or logprobs never draft
-                self._no_extras(extras)
+            # A draft position (j > 0) has no extras: requests with penalties or logprobs
+            # never draft.
+            rows.rows.append(self._row(rows, req, c) if j == 0 else self._draft_row(req, c))
             out = outcomes.get(req)
             if out is not None and out.mask is not None:
                 compact[m] = out.mask[j]
                 dest[m] = i
                 m += 1
-            ban_eos[i] = s.ignore_eos and req.grammar is None
+            ban_eos[i] = req.sampling.ignore_eos and req.grammar is None
 
-        batch = SampleBatch(compact, dest, ban_eos, params, extras)
+        batch = SampleBatch(compact, dest, ban_eos, rows)
 
         def run() -> Sampled:
             return self.device.sample(logits, batch)
@@ -955,35 +936,36 @@ class Engine:
         self.metrics.sample(time.perf_counter() - began)
         return result
 
-    def _no_extras(self, extras: Extras) -> None:
-        """A row without penalties or logprobs (or a padding row)."""
-        self._no_penalty(extras)
-        extras.raw_mode.append(False)
-
-    def _no_penalty(self, extras: Extras) -> None:
-        for k, v in (("presence", 0.0), ("frequency", 0.0), ("repetition", 1.0)):
-            extras.penalties[k].append(v)
-        extras.penalties["logit_bias"].append({})
-        extras.slots.append(self.pad_slot)
-
-    def _add_extras(self, extras: Extras, req: Request) -> None:
+    @staticmethod
+    def _draft_row(req: Request, c: int) -> SamplingRow:
         s = req.sampling
-        extras.raw_mode.append(s.raw_logprobs)
-        extras.any_logprobs = extras.any_logprobs or s.logprobs
+        return SamplingRow(s.temperature, s.top_p, s.top_k, s.seed, req.sampled + c)
+
+    @staticmethod
+    def _row(rows: SamplingRows, req: Request, c: int) -> SamplingRow:
+        """A request's sampled position, with its penalties and logprobs (and their table
+        updates, added to `rows`)."""
+        s = req.sampling
+        rows.any_logprobs = rows.any_logprobs or s.logprobs
+        row = SamplingRow(
+            s.temperature, s.top_p, s.top_k, s.seed, req.sampled + c, raw_logprobs=s.raw_logprobs
+        )
         if not s.penalized:
-            self._no_penalty(extras)
-            return
-        extras.any_penalty = True
-        extras.penalties["presence"].append(s.presence_penalty)
-        extras.penalties["frequency"].append(s.frequency_penalty)
-        extras.penalties["repetition"].append(s.repetition_penalty)
-        extras.penalties["logit_bias"].append(s.logit_bias)
-        extras.slots.append(req.slot)
+            return row
+        rows.any_penalty = True
         if req.sampled == 0:  # the request's first sample: its table row starts over
-            extras.reset.append((req.slot, req.prompt))
+            rows.reset.append((req.slot, req.prompt))
         # Output tokens since the last penalised sample (sampled and forced).
-        extras.count.extend((req.slot, t) for t in req.output[req.counted :])
+        rows.count.extend((req.slot, t) for t in req.output[req.counted :])
         req.counted = len(req.output)
+        return replace(
+            row,
+            presence=s.presence_penalty,
+            frequency=s.frequency_penalty,
+            repetition=s.repetition_penalty,
+            logit_bias=s.logit_bias,
+            slot=req.slot,
+        )
 
     # ------------------------------------------------------------------ warm-up
     async def warmup(self, on_graph: Callable[[str], None] | None = None) -> int:
