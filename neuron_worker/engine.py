@@ -29,15 +29,12 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-import grpc
-
-from maskwire.rpc import RpcError
 from maskwire.tokenizer import Tokenizer
-from maskwire.v1 import grammar_pb2, worker_pb2
 from neuron_worker.device_stage import DeviceStage, on_device
 from neuron_worker.engine_config import EngineConfig
-from neuron_worker.grammar_client import GrammarClient, GrammarRequest
-from neuron_worker.grammar_stage import GrammarCall, first_step, send_step
+from neuron_worker.events import EngineError, ErrorKind, FinishReason
+from neuron_worker.grammar_client import GrammarClient
+from neuron_worker.grammar_stage import GrammarCall, first_step, grammar_request, send_step
 from neuron_worker.graphs import CompileCounter
 from neuron_worker.ledger import Ledger
 from neuron_worker.metrics import Metrics
@@ -50,7 +47,7 @@ from neuron_worker.step_rows import Answers, Draw, ForwardBatch, Row
 
 log = logging.getLogger(__name__)
 
-FR = worker_pb2.FinishReason
+FR = FinishReason
 
 
 def _pending(r: Request) -> int:
@@ -144,14 +141,14 @@ class Engine:
         log.error("device lost: %s; failing every request", reason)
         self.lost = reason
         for req in list(self.requests.values()):
-            self._finish(req, FR.FINISH_REASON_ERROR, status=self._unavailable())
+            self._finish(req, FR.ERROR, status=self._unavailable())
         self._wake.set()
         if self.on_lost is not None:
             self.on_lost(reason)
 
-    def _unavailable(self) -> RpcError:
-        return RpcError(
-            grpc.StatusCode.UNAVAILABLE,
+    def _unavailable(self) -> EngineError:
+        return EngineError(
+            ErrorKind.UNAVAILABLE,
             f"the worker cannot serve: {self.lost}",
             reason="DEVICE_LOST",
         )
@@ -162,7 +159,7 @@ class Engine:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         for req in list(self.requests.values()):
-            self._finish(req, FR.FINISH_REASON_ABORT, error="worker shutting down")
+            self._finish(req, FR.ABORT, error="worker shutting down")
         if self.grammar is not None:
             await self.grammar.aclose()
         if self.lost is None:
@@ -172,8 +169,10 @@ class Engine:
     async def submit(self, req: Request) -> list[str]:
         """Queue a validated request (opening its grammar first). Returns grammar warnings.
 
-        Raises RpcError: RESOURCE_EXHAUSTED (queue full), ALREADY_EXISTS (live id), the grammar
-        service's compile errors, UNAVAILABLE (no grammar replica), FAILED_PRECONDITION.
+        Raises EngineError: RESOURCE_EXHAUSTED (queue full), ALREADY_EXISTS (live id),
+        FAILED_PRECONDITION (structured outputs disabled), UNAVAILABLE (shutting down, device
+        lost); the grammar client's errors as they are (the grammar service's compile errors,
+        UNAVAILABLE: no grammar replica).
         """
         return await self.submit_group([req])
 
@@ -183,7 +182,7 @@ class Engine:
         once. `peer` is the client (its fair share of the queue). Returns the first choice's
         grammar warnings; raises as :meth:`submit`."""
         if self.draining:
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+            raise EngineError(ErrorKind.UNAVAILABLE, "the worker is shutting down")
         if self.lost is not None:
             raise self._unavailable()
         call = reqs[0].call_id
@@ -214,13 +213,11 @@ class Engine:
             # choice now instead of queueing it.
             reason = next((r.abort_reason for r in reqs if r.abort_reason), "aborted")
             for req in reqs:
-                self._finish(req, FR.FINISH_REASON_ABORT, error=reason)
+                self._finish(req, FR.ABORT, error=reason)
             return warnings
         for req in reqs:
             for other in self.scheduler.enqueue(req):  # another client's, over its fair share
-                self._finish(
-                    other, FR.FINISH_REASON_ERROR, status=queue_full(self.config.max_queue)
-                )
+                self._finish(other, FR.ERROR, status=queue_full(self.config.max_queue))
         self.metrics.queue(self.scheduler.queue_depth, len(self.scheduler.running))
         self._wake.set()
         return warnings
@@ -231,8 +228,8 @@ class Engine:
         calls can never both hold one id."""
         names = {call, *(r.request_id for r in reqs)}
         if any(name in self.calls or name in self.requests for name in names):
-            raise RpcError(
-                grpc.StatusCode.ALREADY_EXISTS,
+            raise EngineError(
+                ErrorKind.ALREADY_EXISTS,
                 f"request_id {call!r} is already live on this worker",
                 [("request_id", "must be unique among live requests")],
             )
@@ -250,22 +247,14 @@ class Engine:
 
     async def _open_grammar(self, req: Request, opened: list[Request]) -> list[str]:
         if not self.config.structured_outputs or self.grammar is None:
-            raise RpcError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise EngineError(
+                ErrorKind.FAILED_PRECONDITION,
                 "this worker was started with --disable-structured-outputs; restart it with "
                 "--enable-structured-outputs (and --grammar-service HOST:PORT) to use constraints",
                 [("constraint", "structured outputs are disabled on this worker")],
                 reason="STRUCTURED_OUTPUTS_DISABLED",
             )
-        assert req.constraint is not None
-        req.grammar = GrammarRequest(
-            request_id=req.request_id,
-            constraint=req.constraint,
-            options=grammar_pb2.RequestOptions(
-                reasoning_end_marker=req.reasoning_end_marker,
-                jump_forward=self.config.jump_forward,
-            ),
-        )
+        req.grammar = grammar_request(req, jump_forward=self.config.jump_forward)
         opened.append(req)
         return await self.grammar.open(req.grammar)
 
@@ -284,7 +273,7 @@ class Engine:
                 continue
             found = True
             if r.state is State.WAITING and r in self.scheduler.waiting:
-                self._finish(r, FR.FINISH_REASON_ABORT, error=reason)
+                self._finish(r, FR.ABORT, error=reason)
             else:
                 r.abort_reason = reason
                 self._wake.set()
@@ -293,11 +282,11 @@ class Engine:
     def _finish(
         self,
         req: Request,
-        reason: int,
+        reason: FinishReason,
         *,
         stop_string: str = "",
         error: str = "",
-        status: RpcError | None = None,
+        status: Exception | None = None,
     ) -> None:
         if req.finished:
             return
@@ -314,10 +303,8 @@ class Engine:
         if status is not None:
             req.outputs.put_nowait(status)
         else:
-            req.outputs.put_nowait(req.final_message(reason, stop_string=stop_string, error=error))
-        self.metrics.finished(
-            FR.Name(reason).removeprefix("FINISH_REASON_").lower(), req.constrained
-        )
+            req.outputs.put_nowait(req.final(reason, stop_string=stop_string, error=error))
+        self.metrics.finished(reason.value, req.constrained)
 
     # ------------------------------------------------------------------ the loop
     async def _loop(self) -> None:
@@ -335,7 +322,7 @@ class Engine:
                     break  # `device_lost` failed every request already
                 log.exception("engine step failed; failing the running requests")
                 for req in list(self.scheduler.running):
-                    self._finish(req, FR.FINISH_REASON_ERROR, error=f"internal error: {e}")
+                    self._finish(req, FR.ERROR, error=f"internal error: {e}")
 
     async def step(self) -> bool:
         """One turn of the loop: requests leave (aborts) and join (admission, then their
@@ -379,13 +366,13 @@ class Engine:
     def _reap_aborted(self) -> None:
         for req in list(self.scheduler.running):
             if req.abort_reason is not None:
-                self._finish(req, FR.FINISH_REASON_ABORT, error=req.abort_reason)
+                self._finish(req, FR.ABORT, error=req.abort_reason)
 
     def _flush_outputs(self) -> None:
         for req in self.scheduler.running:
-            msg = req.flush_message()
-            if msg is not None:
-                req.outputs.put_nowait(msg)
+            delta = req.delta()
+            if delta is not None:
+                req.outputs.put_nowait(delta)
 
     # ------------------------------------------------------------------ prefill
     async def _prefill(self, reqs: list[Request]) -> None:

@@ -1,5 +1,6 @@
-"""The step's grammar stage: one `GrammarClient.step` for the constrained requests of a batch,
-sent before the device work it may overlap and awaited when its answers are needed."""
+"""The engine's side of the grammar client: a request's grammar session (`grammar_request`), and
+the step's grammar stage, one `GrammarClient.step` for the constrained requests of a batch, sent
+before the device work it may overlap and awaited when its answers are needed."""
 
 from __future__ import annotations
 
@@ -8,11 +9,25 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from maskwire.v1 import grammar_pb2
 from neuron_worker.grammar_client import GrammarClient, GrammarRequest, RowOutcome
 from neuron_worker.metrics import Metrics
 from neuron_worker.request import Request
 
-__all__ = ["GrammarCall", "first_step", "send_step"]
+__all__ = ["GrammarCall", "first_step", "grammar_request", "send_step"]
+
+
+def grammar_request(req: Request, *, jump_forward: bool) -> GrammarRequest:
+    """The grammar session of a constrained request (`--jump-forward`: whether the grammar
+    service computes forced tokens)."""
+    assert req.constraint is not None
+    return GrammarRequest(
+        request_id=req.request_id,
+        constraint=req.constraint,
+        options=grammar_pb2.RequestOptions(
+            reasoning_end_marker=req.reasoning_end_marker, jump_forward=jump_forward
+        ),
+    )
 
 
 @dataclass

@@ -9,24 +9,23 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-import grpc
-
-from maskwire.rpc import RpcError
-from maskwire.v1 import worker_pb2
+from neuron_worker.events import EngineError, ErrorKind, FinishReason
 from neuron_worker.grammar_client import RowOutcome
 from neuron_worker.metrics import Metrics
 from neuron_worker.request import Request, TokenLogprob
 from neuron_worker.step_device import Sampled
 from neuron_worker.step_rows import Draw
 
-FR = worker_pb2.FinishReason
+FR = FinishReason
 
-_EMPTY_LANGUAGE = RpcError(
-    grpc.StatusCode.INVALID_ARGUMENT,
-    "the constraint matches no output at all (its language is empty)",
-    [("constraint", "matches nothing")],
-    reason="EMPTY_LANGUAGE",
-)
+
+def _empty_language() -> EngineError:
+    return EngineError(
+        ErrorKind.INVALID_ARGUMENT,
+        "the constraint matches no output at all (its language is empty)",
+        [("constraint", "matches nothing")],
+        reason="EMPTY_LANGUAGE",
+    )
 
 
 class Finish(Protocol):
@@ -35,11 +34,11 @@ class Finish(Protocol):
     def __call__(
         self,
         req: Request,
-        reason: int,
+        reason: FinishReason,
         *,
         stop_string: str = "",
         error: str = "",
-        status: RpcError | None = None,
+        status: Exception | None = None,
     ) -> None: ...
 
 
@@ -75,9 +74,9 @@ class Ledger:
         first = r.sampled == 0
         if not out.ok:
             if first:
-                self.finish(r, FR.FINISH_REASON_ERROR, status=out.status())
+                self.finish(r, FR.ERROR, status=out.status())
             else:
-                self.finish(r, FR.FINISH_REASON_ERROR, error=f"constraint failed: {out.error}")
+                self.finish(r, FR.ERROR, error=f"constraint failed: {out.error}")
             return None
         ff = out.ff_tokens
         if ff and self.append(r, ff, forced=True):
@@ -87,13 +86,13 @@ class Ledger:
             # would pass a non-matching output off as success; at the first step the
             # constraint's language is empty.
             if first:
-                self.finish(r, FR.FINISH_REASON_ERROR, status=_EMPTY_LANGUAGE)
+                self.finish(r, FR.ERROR, status=_empty_language())
             else:
                 error = "constraint failed: dead end before a match"
-                self.finish(r, FR.FINISH_REASON_ERROR, error=error)
+                self.finish(r, FR.ERROR, error=error)
             return None
         if out.finished:
-            self.finish(r, FR.FINISH_REASON_STOP)
+            self.finish(r, FR.STOP)
             return None
         return ff
 
@@ -115,7 +114,7 @@ class Ledger:
         if tok < 0 or tok >= self.vocab_size:
             self.finish(
                 req,
-                FR.FINISH_REASON_ERROR,
+                FR.ERROR,
                 error="the constraint allows no token here (grammar dead end)",
             )
             return
@@ -123,7 +122,7 @@ class Ledger:
         if tok in s.stop_token_ids or (
             tok in self.eos_ids and not (s.ignore_eos and req.grammar is None)
         ):
-            self.finish(req, FR.FINISH_REASON_STOP)
+            self.finish(req, FR.STOP)
             return
         if self.append(req, [tok], forced=False, logprob=logprob):
             return
@@ -143,9 +142,9 @@ class Ledger:
         if forced:
             self.metrics.tokens(0, len(take))
         if stop is not None:
-            self.finish(req, FR.FINISH_REASON_STOP_STRING, stop_string=stop)
+            self.finish(req, FR.STOP_STRING, stop_string=stop)
             return True
         if len(take) < len(tokens) or self.room(req) <= 0:
-            self.finish(req, FR.FINISH_REASON_LENGTH)
+            self.finish(req, FR.LENGTH)
             return True
         return False
