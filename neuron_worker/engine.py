@@ -98,17 +98,7 @@ class Engine:
             metrics=self.metrics,
             finish=self._finish,
         )
-        self.speculator = (
-            Speculator(
-                config.speculative,
-                tokenizer=tokenizer,
-                ledger=self.ledger,
-                metrics=self.metrics,
-                overlap=config.overlap,
-            )
-            if config.speculative is not None
-            else None
-        )
+        self.speculator = Speculator.of(config, tokenizer, self.ledger, self.metrics)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from maskwire.tokenizer import Tokenizer
 from neuron_worker.drafter import DraftBudget, DraftConfig, Drafter, accepted_prefix, new_drafter
+from neuron_worker.engine_config import EngineConfig
 from neuron_worker.grammar_client import RowOutcome
 from neuron_worker.ledger import Ledger
 from neuron_worker.metrics import Metrics
@@ -85,6 +86,21 @@ class Speculator:
         self.gate = SpeculationGate() if config.gate else None
         # Moving average of the grammar's drafts after a row's own (`rows`).
         self.forced_tail = config.forced_drafts / 2
+
+    @classmethod
+    def of(
+        cls, config: EngineConfig, tokenizer: Tokenizer, ledger: Ledger, metrics: Metrics
+    ) -> Speculator | None:
+        """The engine's speculator (None without `--speculative`)."""
+        if config.speculative is None:
+            return None
+        return cls(
+            config.speculative,
+            tokenizer=tokenizer,
+            ledger=ledger,
+            metrics=metrics,
+            overlap=config.overlap,
+        )
 
     # ------------------------------------------------------------------ plan
     def plan(self, batch: list[Request]) -> Drafts:
