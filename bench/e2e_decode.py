@@ -59,6 +59,7 @@ from neuron_worker.graphs import StepModel  # noqa: E402
 from neuron_worker.metrics import Metrics  # noqa: E402
 from neuron_worker.request import Request, Sampling  # noqa: E402
 from neuron_worker.sampler import Sampler  # noqa: E402
+from neuron_worker.servicer import response  # noqa: E402
 from neuron_worker.step_device import StepDevice  # noqa: E402
 from tests.support.processes import running  # noqa: E402
 
@@ -233,8 +234,9 @@ async def run_variant(
         await engine.submit(req)
         text, ids = [], []
         while True:
-            msg = await req.outputs.get()
-            assert not isinstance(msg, Exception), msg
+            item = await req.outputs.get()
+            assert not isinstance(item, Exception), item
+            msg = response(item)
             text.append(msg.text)
             ids.extend(msg.token_ids)
             if msg.finish_reason:

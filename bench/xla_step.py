@@ -44,6 +44,7 @@ from neuron_worker.engine import Engine, EngineConfig  # noqa: E402
 from neuron_worker.graphs import Pass  # noqa: E402
 from neuron_worker.model import load_model  # noqa: E402
 from neuron_worker.sampler import Sampler  # noqa: E402
+from neuron_worker.sampling_rows import PAD_ROW, SamplingRows  # noqa: E402
 from neuron_worker.step_device import SampleBatch, StepDevice  # noqa: E402
 from neuron_worker.xla import compile_stats  # noqa: E402
 
@@ -108,14 +109,8 @@ def step_inputs(engine: Engine, n: int, kv: int) -> tuple[Any, ...]:
     compact[: n // 2, words // 2 :] = 0
     dest = np.full(n, n, dtype=np.int64)
     dest[: n // 2] = np.arange(n // 2) * 2
-    params: dict[str, list[Any]] = {
-        "temperature": [0.0] * n,
-        "top_p": [1.0] * n,
-        "top_k": [0] * n,
-        "seed": [0] * n,
-        "offset": [0] * n,
-    }
-    return tokens, pos, slots, last, compact, dest, np.zeros(n, dtype=bool), params
+    rows = SamplingRows([PAD_ROW] * n)  # greedy
+    return tokens, pos, slots, last, compact, dest, np.zeros(n, dtype=bool), rows
 
 
 def time_steps(engines: dict[str, Engine], n: int, kv: int, steps: int) -> dict[str, Any]:
@@ -126,11 +121,11 @@ def time_steps(engines: dict[str, Engine], n: int, kv: int, steps: int) -> dict[
     inputs = {k: step_inputs(e, n, kv) for k, e in engines.items()}
     for i in range(steps + 2):
         for name, engine in engines.items():
-            tokens, pos, slots, last, compact, dest, ban, params = inputs[name]
+            tokens, pos, slots, last, compact, dest, ban, rows = inputs[name]
             t0 = time.perf_counter()
             logits = engine.device.forward(Pass(tokens, pos, slots, last, kv))
             t1 = time.perf_counter()
-            engine.device.sample(logits, SampleBatch(compact, dest, ban, params))
+            engine.device.sample(logits, SampleBatch(compact, dest, ban, rows))
             t2 = time.perf_counter()
             if i >= 2:  # the first steps of a shape warm caches
                 step_s[name].append(t2 - t0)

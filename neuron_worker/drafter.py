@@ -47,7 +47,7 @@ class DraftConfig:
     min_n: int = DEFAULT_SIZES["text"][0]
     max_n: int = DEFAULT_SIZES["text"][1]
     # Most tokens in one verification pass, all rows together (0 = no limit): drafts beyond it
-    # are not proposed, but copies that close a string are not counted (`Engine._plan_drafts`).
+    # are not proposed, but copies that close a string are not counted (`Speculator.plan`).
     pass_tokens: int = 0
     # Verify drafts only when the measured step costs say they pay (`speculation_gate`).
     gate: bool = True

@@ -1,20 +1,20 @@
 """The step loop: continuous batching with the grammar round trip hidden behind the forward pass.
 
-One decode step, for the running requests (each holds the token it sampled last, `pending`):
+Each turn (`Engine.step`) lets aborted requests leave, admits waiting ones (`Scheduler.admit`)
+and prefills them, then runs one decode step for the running requests (each holds the token it
+sampled last, `pending`). A decode step is a few named stages, each with typed hand-offs:
 
-    send Step(pending tokens) to the grammar replicas     (asyncio, event loop)
-    forward(pending tokens) on the device                 (device thread, overlaps the round trip)
-    await the masks                                       (only now)
-    jump-forward rows: forward(ff tokens) in one pass     (T > 1 rows)
-    reorder + unpack + mask + sample                      (device thread, compiled sampler)
-    append, detokenize, stop checks, stream deltas        (event loop)
+    plan      the batch, and its drafts (`Speculator.plan`; none without --speculative)
+    grammar   Step(pending tokens) to the grammar replicas: `GrammarCall` -> `Answers`
+    forward   `ForwardBatch` of `Row`s -> `Logits` (device thread)
+    answers   `Ledger.apply_answer`: the grammar's forced tokens, ends and errors
+    sample    `Draw`s -> `SampleBatch` -> `Sampled` (device thread, compiled masked sampler)
+    commit    `Ledger.accept_draws` / `Speculator.commit`: append, stop checks; deltas streamed
 
-With `--speculative ngram`, a step where some request has draft tokens that the speculation gate
-finds worth a verification pass (or, without overlap, any step with a constrained row: the
-grammar may draft what it forces) runs as named stages instead
-(`_speculate`): plan drafts -> grammar checks them and adds its forced drafts (serial) -> one
-verification forward over pending + forced + kept drafts -> sample every position -> commit the
-accepted run.
+A plain step runs them on one of two schedules: overlapped (the forward of the pending tokens
+runs while the grammar computes the masks; forced tokens then take one jump-forward pass) or
+serial (without `overlap`, answers first, then one pass over pending + forced tokens). A
+speculative step (`neuron_worker.speculator`) is serial, its forward a verification pass.
 
 New requests join between steps: their grammar answers its first Step before the prefill, so the
 prompt and the grammar's initial forced tokens go through the model in one prefill pass. Requests
@@ -27,110 +27,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
 
-import grpc
-import numpy as np
-
-from maskwire.rpc import RpcError
 from maskwire.tokenizer import Tokenizer
-from maskwire.v1 import grammar_pb2, worker_pb2
-from neuron_worker import device_thread
-from neuron_worker.drafter import DraftBudget, Drafter, accepted_prefix, new_drafter
+from neuron_worker.device_stage import DeviceStage, on_device
 from neuron_worker.engine_config import EngineConfig
-from neuron_worker.grammar_client import GrammarClient, GrammarRequest, RowOutcome
-from neuron_worker.graphs import CompileCounter, Pass
+from neuron_worker.events import EngineError, ErrorKind, FinishReason
+from neuron_worker.grammar_client import GrammarClient
+from neuron_worker.grammar_stage import GrammarCall, first_step, grammar_request, send_step
+from neuron_worker.graphs import CompileCounter
+from neuron_worker.ledger import Ledger
 from neuron_worker.metrics import Metrics
 from neuron_worker.penalties import OccurrenceTable
-from neuron_worker.request import Request, State, TokenLogprob
+from neuron_worker.request import Request, State
 from neuron_worker.scheduler import Scheduler, queue_full
-from neuron_worker.speculation_gate import SpeculationGate
-from neuron_worker.step_device import (
-    DeviceLostError,
-    Extras,
-    Logits,
-    SampleBatch,
-    Sampled,
-    StepDeviceLike,
-)
+from neuron_worker.speculator import Drafts, Speculator
+from neuron_worker.step_device import DeviceLostError, Logits, StepDeviceLike
+from neuron_worker.step_rows import Answers, Draw, ForwardBatch, Row
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-FR = worker_pb2.FinishReason
+FR = FinishReason
 
 
-_EMPTY_LANGUAGE = RpcError(
-    grpc.StatusCode.INVALID_ARGUMENT,
-    "the constraint matches no output at all (its language is empty)",
-    [("constraint", "matches nothing")],
-    reason="EMPTY_LANGUAGE",
-)
-
-
-_PAD_ROW: dict[str, float] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "offset": 0}
-
-
-@dataclass
-class _Row:
-    """One request's slice of a forward pass: tokens to write starting at `start`; its last
-    `outputs` tokens are the positions the pass draws at (more than one: speculative
-    verification), those `wanted` names with logits."""
-
-    req: Request
-    tokens: list[int]
-    start: int
-    outputs: int = 1
-    own_drafts: int = 0  # leading drafts that are the drafter's (the rest are the grammar's)
-    # (start, count): drafts[start : start + count] are tokens the grammar forces, kept without
-    # a sampling step (`RowOutcome.forced_jump`).
-    jump: tuple[int, int] = (0, 0)
-
-    def wanted(self) -> list[int]:
-        """Which of the last `outputs` positions the pass returns logits for: all but the
-        forced drafts', which are kept whatever is drawn there (an LM head row and a sampling
-        row saved each; at c1 a field's three forced key tokens keep a verification pass within
-        one read of the head's weights)."""
-        start, count = self.jump
-        return [j for j in range(self.outputs) if not start <= j < start + count]
-
-    def positions(self) -> list[tuple[Request, int, int]]:
-        """(request, mask row, sampling counter) of each logits row the pass returns for it: a
-        forced draft's position has none, as a jump-forward token takes no counter."""
-        start, count = self.jump
-        return [(self.req, j, j - min(max(j - start, 0), count)) for j in self.wanted()]
-
-
-@dataclass
-class _Answered:
-    """A request still running after the grammar's answer, before the pass's token budget."""
-
-    req: Request
-    prefix: list[int]  # pending + forced tokens
-    drafts: list[int]  # its own kept drafts, or the grammar's forced drafts
-    own: int  # leading drafts that are the row's own
-    jump: tuple[int, int]  # forced tokens among the drafts (`_Row.jump`)
-    closing: bool  # its own drafts close a string: the budget does not cut them
-
-
-def _own_prefix(drafts: Sequence[int], own: Sequence[int]) -> int:
-    """How many leading `drafts` are the row's `own` ones."""
-    n = 0
-    while n < min(len(drafts), len(own)) and drafts[n] == own[n]:
-        n += 1
-    return n
-
-
-def _sync_history(drafter: Drafter, r: Request) -> None:
-    """Feed the drafter the request's tokens it has not seen (prompt, then output)."""
-    seen = len(drafter)
-    if seen < len(r.prompt):
-        drafter.extend(r.prompt[seen:], output=False)
-        seen = len(r.prompt)
-    drafter.extend(r.output[seen - len(r.prompt) :])
+def _pending(r: Request) -> int:
+    assert r.pending is not None  # a decode step's requests all hold one
+    return r.pending
 
 
 class Engine:
@@ -165,17 +87,18 @@ class Engine:
         # Live Generate calls by the call's id: its one request, or every choice of an n > 1
         # call. Call ids and request ids are one namespace (`_reserve`).
         self.calls: dict[str, list[Request]] = {}
-        self.eos_ids = tuple(tokenizer.eos_token_ids)
-        self.vocab_size = tokenizer.vocab_size
         self.words = tokenizer.words_per_row
         self.logits_size = device.logits_size
-        self.pad_slot = device.pad_slot
-        self.forward = device.runner  # the shapes of passes; `device.forward` runs them
         self.compiles = CompileCounter(self.metrics.compiled_while_serving)
-        spec = config.speculative
-        self.gate = SpeculationGate() if spec is not None and spec.gate else None
-        # Moving average of the grammar's drafts after a row's own (`_verification_rows`).
-        self.forced_tail = spec.forced_drafts / 2 if spec is not None else 0.0
+        self.stage = DeviceStage(device, self.metrics, self.words)
+        self.ledger = Ledger(
+            vocab_size=tokenizer.vocab_size,
+            eos_ids=tokenizer.eos_token_ids,
+            max_seq_len=config.max_seq_len,
+            metrics=self.metrics,
+            finish=self._finish,
+        )
+        self.speculator = Speculator.of(config, tokenizer, self.ledger, self.metrics)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -192,7 +115,7 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Allocate the KV cache and start the loop."""
-        await self._on_device(self.device.setup)
+        await on_device(self.device.setup)
         self._task = asyncio.create_task(self._loop(), name="maskwire-engine")
 
     def serving(self) -> None:
@@ -208,14 +131,14 @@ class Engine:
         log.error("device lost: %s; failing every request", reason)
         self.lost = reason
         for req in list(self.requests.values()):
-            self._finish(req, FR.FINISH_REASON_ERROR, status=self._unavailable())
+            self._finish(req, FR.ERROR, status=self._unavailable())
         self._wake.set()
         if self.on_lost is not None:
             self.on_lost(reason)
 
-    def _unavailable(self) -> RpcError:
-        return RpcError(
-            grpc.StatusCode.UNAVAILABLE,
+    def _unavailable(self) -> EngineError:
+        return EngineError(
+            ErrorKind.UNAVAILABLE,
             f"the worker cannot serve: {self.lost}",
             reason="DEVICE_LOST",
         )
@@ -226,21 +149,20 @@ class Engine:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         for req in list(self.requests.values()):
-            self._finish(req, FR.FINISH_REASON_ABORT, error="worker shutting down")
+            self._finish(req, FR.ABORT, error="worker shutting down")
         if self.grammar is not None:
             await self.grammar.aclose()
         if self.lost is None:
-            await self._on_device(self.device.close)
-
-    async def _on_device(self, fn: Callable[[], T], key: Hashable = None) -> T:
-        return await device_thread.run(fn, key)
+            await on_device(self.device.close)
 
     # ------------------------------------------------------------------ requests in and out
     async def submit(self, req: Request) -> list[str]:
         """Queue a validated request (opening its grammar first). Returns grammar warnings.
 
-        Raises RpcError: RESOURCE_EXHAUSTED (queue full), ALREADY_EXISTS (live id), the grammar
-        service's compile errors, UNAVAILABLE (no grammar replica), FAILED_PRECONDITION.
+        Raises EngineError: RESOURCE_EXHAUSTED (queue full), ALREADY_EXISTS (live id),
+        FAILED_PRECONDITION (structured outputs disabled), UNAVAILABLE (shutting down, device
+        lost); the grammar client's errors as they are (the grammar service's compile errors,
+        UNAVAILABLE: no grammar replica).
         """
         return await self.submit_group([req])
 
@@ -250,7 +172,7 @@ class Engine:
         once. `peer` is the client (its fair share of the queue). Returns the first choice's
         grammar warnings; raises as :meth:`submit`."""
         if self.draining:
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+            raise EngineError(ErrorKind.UNAVAILABLE, "the worker is shutting down")
         if self.lost is not None:
             raise self._unavailable()
         call = reqs[0].call_id
@@ -261,12 +183,12 @@ class Engine:
         opened: list[Request] = []
         self._opening += 1
         try:
-            self._check_queue(len(reqs), peer)
+            self.scheduler.check_room(peer, len(reqs))
             for req in reqs:
                 if req.constraint is not None:
                     w = await self._open_grammar(req, opened)
                     warnings = warnings or w
-            self._check_queue(len(reqs), peer)
+            self.scheduler.check_room(peer, len(reqs))
         except BaseException:
             self._unreserve(call, reqs)
             for req in opened:
@@ -281,13 +203,11 @@ class Engine:
             # choice now instead of queueing it.
             reason = next((r.abort_reason for r in reqs if r.abort_reason), "aborted")
             for req in reqs:
-                self._finish(req, FR.FINISH_REASON_ABORT, error=reason)
+                self._finish(req, FR.ABORT, error=reason)
             return warnings
         for req in reqs:
             for other in self.scheduler.enqueue(req):  # another client's, over its fair share
-                self._finish(
-                    other, FR.FINISH_REASON_ERROR, status=queue_full(self.config.max_queue)
-                )
+                self._finish(other, FR.ERROR, status=queue_full(self.config.max_queue))
         self.metrics.queue(self.scheduler.queue_depth, len(self.scheduler.running))
         self._wake.set()
         return warnings
@@ -298,8 +218,8 @@ class Engine:
         calls can never both hold one id."""
         names = {call, *(r.request_id for r in reqs)}
         if any(name in self.calls or name in self.requests for name in names):
-            raise RpcError(
-                grpc.StatusCode.ALREADY_EXISTS,
+            raise EngineError(
+                ErrorKind.ALREADY_EXISTS,
                 f"request_id {call!r} is already live on this worker",
                 [("request_id", "must be unique among live requests")],
             )
@@ -317,27 +237,16 @@ class Engine:
 
     async def _open_grammar(self, req: Request, opened: list[Request]) -> list[str]:
         if not self.config.structured_outputs or self.grammar is None:
-            raise RpcError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise EngineError(
+                ErrorKind.FAILED_PRECONDITION,
                 "this worker was started with --disable-structured-outputs; restart it with "
                 "--enable-structured-outputs (and --grammar-service HOST:PORT) to use constraints",
                 [("constraint", "structured outputs are disabled on this worker")],
                 reason="STRUCTURED_OUTPUTS_DISABLED",
             )
-        assert req.constraint is not None
-        req.grammar = GrammarRequest(
-            request_id=req.request_id,
-            constraint=req.constraint,
-            options=grammar_pb2.RequestOptions(
-                reasoning_end_marker=req.reasoning_end_marker,
-                jump_forward=self.config.jump_forward,
-            ),
-        )
+        req.grammar = grammar_request(req, jump_forward=self.config.jump_forward)
         opened.append(req)
         return await self.grammar.open(req.grammar)
-
-    def _check_queue(self, adding: int, peer: str) -> None:
-        self.scheduler.check_room(peer, adding)
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Stop the live call with this id (every choice of an n > 1 call). False when there
@@ -354,7 +263,7 @@ class Engine:
                 continue
             found = True
             if r.state is State.WAITING and r in self.scheduler.waiting:
-                self._finish(r, FR.FINISH_REASON_ABORT, error=reason)
+                self._finish(r, FR.ABORT, error=reason)
             else:
                 r.abort_reason = reason
                 self._wake.set()
@@ -363,11 +272,11 @@ class Engine:
     def _finish(
         self,
         req: Request,
-        reason: int,
+        reason: FinishReason,
         *,
         stop_string: str = "",
         error: str = "",
-        status: RpcError | None = None,
+        status: Exception | None = None,
     ) -> None:
         if req.finished:
             return
@@ -384,28 +293,15 @@ class Engine:
         if status is not None:
             req.outputs.put_nowait(status)
         else:
-            req.outputs.put_nowait(req.final_message(reason, stop_string=stop_string, error=error))
-        self.metrics.finished(
-            FR.Name(reason).removeprefix("FINISH_REASON_").lower(), req.constrained
-        )
+            req.outputs.put_nowait(req.final(reason, stop_string=stop_string, error=error))
+        self.metrics.finished(reason.value, req.constrained)
 
     # ------------------------------------------------------------------ the loop
     async def _loop(self) -> None:
         while not self._stopping and self.lost is None:
             try:
-                self._reap_aborted()
-                await self._gather_arrivals()
-                admitted = self.scheduler.admit()
-                if admitted:
-                    await self._prefill(admitted)
-                    self._flush_outputs()  # first tokens out now, not after the next step
-                batch = [r for r in self.scheduler.running if r.pending is not None]
-                if batch:
-                    await self._decode(batch)
-                self._flush_outputs()
-                self.compiles.check()
-                self.metrics.queue(self.scheduler.queue_depth, len(self.scheduler.running))
-                if not batch and not self.scheduler.waiting:
+                stepped = await self.step()
+                if not stepped and not self.scheduler.waiting:
                     self._wake.clear()
                     if not any(r.abort_reason for r in self.scheduler.running):
                         await self._wake.wait()
@@ -416,7 +312,24 @@ class Engine:
                     break  # `device_lost` failed every request already
                 log.exception("engine step failed; failing the running requests")
                 for req in list(self.scheduler.running):
-                    self._finish(req, FR.FINISH_REASON_ERROR, error=f"internal error: {e}")
+                    self._finish(req, FR.ERROR, error=f"internal error: {e}")
+
+    async def step(self) -> bool:
+        """One turn of the loop: requests leave (aborts) and join (admission, then their
+        prefill), then one decode step of the running ones. Returns whether there was one."""
+        self._reap_aborted()
+        await self._gather_arrivals()
+        admitted = self.scheduler.admit()
+        if admitted:
+            await self._prefill(admitted)
+            self._flush_outputs()  # first tokens out now, not after the next step
+        batch = [r for r in self.scheduler.running if r.pending is not None]
+        if batch:
+            await self._decode(batch)
+        self._flush_outputs()
+        self.compiles.check()
+        self.metrics.queue(self.scheduler.queue_depth, len(self.scheduler.running))
+        return bool(batch)
 
     async def _gather_arrivals(self) -> None:
         """From idle, hold the first arrival until requests stop coming (`admit_quiet_s` without
@@ -443,49 +356,53 @@ class Engine:
     def _reap_aborted(self) -> None:
         for req in list(self.scheduler.running):
             if req.abort_reason is not None:
-                self._finish(req, FR.FINISH_REASON_ABORT, error=req.abort_reason)
+                self._finish(req, FR.ABORT, error=req.abort_reason)
 
     def _flush_outputs(self) -> None:
         for req in self.scheduler.running:
-            msg = req.flush_message()
-            if msg is not None:
-                req.outputs.put_nowait(msg)
+            delta = req.delta()
+            if delta is not None:
+                req.outputs.put_nowait(delta)
 
     # ------------------------------------------------------------------ prefill
     async def _prefill(self, reqs: list[Request]) -> None:
         """Grammar first step (its forced tokens streamed at once), then one forward over prompt
         + forced tokens, then sample."""
         started = time.perf_counter()
-        constrained = [r for r in reqs if r.grammar is not None]
-        outcomes: dict[Request, RowOutcome] = {}
-        if constrained:
-            assert self.grammar is not None
-            res = await self.grammar.step([(r.grammar, []) for r in constrained])  # type: ignore[misc]
-            outcomes = dict(zip(constrained, res, strict=True))
-        rows: list[_Row] = []
-        # n > 1: the first choice of a call prefills; the others copy its K/V and logits.
-        leaders: dict[str, _Row] = {}
-        shared: list[tuple[_Row, _Row]] = []
+        answers = await first_step(self.grammar, reqs)
+        rows, shared = self._prefill_rows(reqs, answers)
+        if not rows:
+            return
+        # The grammar's forced prefix (`{"name": "` of a JSON schema) is output already: stream it
+        # now rather than after the prefill pass, the longest wait of a request's first token.
+        self._flush_outputs()
+        logits = await self.stage.forward(ForwardBatch(rows, "prefill"))
+        for row in rows:
+            row.req.cached = len(row.tokens)
+        if shared:
+            logits = await self.stage.share(logits, rows, shared)
+            for row, _ in shared:
+                row.req.cached = len(row.tokens)
+            rows += [row for row, _ in shared]
+        await self._sample([Draw(row.req) for row in rows], logits, answers)
+        log.debug(
+            "prefill of %d requests took %.1f ms", len(rows), 1e3 * (time.perf_counter() - started)
+        )
+
+    def _prefill_rows(
+        self, reqs: list[Request], answers: Answers
+    ) -> tuple[list[Row], list[tuple[Row, Row]]]:
+        """The grammar's answers applied; a row of prompt + forced tokens per live request.
+        n > 1: the first choice of a call prefills; the others, (follower, leader) in the
+        second list, copy its K/V and logits."""
+        rows: list[Row] = []
+        leaders: dict[str, Row] = {}
+        shared: list[tuple[Row, Row]] = []
         for req in reqs:
-            out = outcomes.get(req)
-            ff: list[int] = []
-            if out is not None:
-                if not out.ok:
-                    # Nothing was streamed yet: report a gRPC status instead of a half answer.
-                    self._finish(req, FR.FINISH_REASON_ERROR, status=out.status())
-                    continue
-                ff = out.ff_tokens
-                if ff and self._append(req, ff, forced=True):
-                    continue
-                if out.finished and not out.accepting:
-                    # The grammar can produce nothing and is not complete: its language is empty.
-                    # Ending with `stop` would pass an empty, non-matching output off as success.
-                    self._finish(req, FR.FINISH_REASON_ERROR, status=_EMPTY_LANGUAGE)
-                    continue
-                if out.finished:
-                    self._finish(req, FR.FINISH_REASON_STOP)
-                    continue
-            row = _Row(req, req.prompt + ff, 0)
+            ff = self.ledger.apply_answer(req, answers.get(req))
+            if ff is None:
+                continue
+            row = Row(req, req.prompt + ff, 0)
             leader = leaders.get(req.group) if req.group else None
             if leader is not None and leader.tokens == row.tokens:
                 shared.append((row, leader))  # same prompt and forced tokens: no forward of its own
@@ -493,578 +410,98 @@ class Engine:
             rows.append(row)
             if req.group:
                 leaders.setdefault(req.group, row)
-        if not rows:
-            return
-        # The grammar's forced prefix (`{"name": "` of a JSON schema) is output already: stream it
-        # now rather than after the prefill pass, the longest wait of a request's first token.
-        self._flush_outputs()
-        logits = await self._forward(rows, "prefill")
-        for row in rows:
-            row.req.cached = len(row.tokens)
-        if shared:
-            logits = await self._share_prefill(logits, rows, shared)
-            for row, _ in shared:
-                row.req.cached = len(row.tokens)
-            rows += [row for row, _ in shared]
-        await self._sample_rows(rows, logits, outcomes)
-        log.debug(
-            "prefill of %d requests took %.1f ms", len(rows), 1e3 * (time.perf_counter() - started)
-        )
+        return rows, shared
 
     # ------------------------------------------------------------------ decode
     async def _decode(self, batch: list[Request]) -> None:
-        """One decode step: plan drafts, then a speculative step (`_speculate`) when some row
-        has drafts worth verifying (`SpeculationGate`) or may get forced ones, else a plain
-        step. The gate learns from the step's wall time."""
-        drafts = self._worth_verifying(batch, self._plan_drafts(batch))
+        """One decode step: plan drafts; a speculative step when some row has drafts worth
+        verifying or may get forced ones (`Speculator.applies`), else a plain step on one of
+        its two schedules: serial when a row is constrained and overlap is off, else
+        overlapped."""
+        spec = self.speculator
+        drafts = spec.plan(batch) if spec is not None else {}
         started = time.perf_counter()
         verified = 0
-        if drafts or self._forced_drafts_apply(batch):
+        if spec is not None and spec.applies(batch, drafts):
             verified = await self._speculate(batch, drafts)
         else:
-            await self._decode_plain(batch)
-        if self.gate is not None:
-            # A step without drafts of its own (forced drafts only) is what the gate's "no"
-            # costs: it counts as a plain step.
-            n = verified if drafts else 0
-            self.gate.record(len(batch), n, time.perf_counter() - started)
-
-    def _worth_verifying(
-        self, batch: list[Request], drafts: dict[Request, list[int]]
-    ) -> dict[Request, list[int]]:
-        """The drafts this step verifies: all of them, or none when the gate finds the wider
-        pass not worth the tokens they are expected to add."""
-        if self.gate is None or not drafts:
-            return drafts
-        rows = []
-        for r, d in drafts.items():
-            assert r.budget is not None  # made with its drafter
-            # Drafts that close a quoted string are likely to get the grammar's forced tokens
-            # after them (the next key), as many as such tails have had so far.
-            tail = self.forced_tail if self._brings_tail(r, d) else 0.0
-            rows.append((len(d), r.budget.acceptance(), tail))
-        if self.gate.worth_it(len(batch), rows):
-            return drafts
-        self.metrics.drafts(declined=sum(len(d) for d in drafts.values()))
-        return {}
-
-    def _propose(self, drafter: Drafter, want: int, most: int) -> list[int]:
-        """The drafter's proposal, `want` drafts at most, or up to `most` when they are a copy
-        that closes a quoted string: a copy cut before its closing quote gets no forced tail
-        from the grammar, and the tail is most of what such drafts are worth."""
-        d = drafter.propose(most)
-        return d if d and self._closes_quote(d) else d[:want]
-
-    def _closes_quote(self, drafts: list[int]) -> bool:
-        return self.tokenizer.token_bytes(drafts[-1]).endswith(b'"')
-
-    def _brings_tail(self, r: Request, drafts: list[int]) -> bool:
-        """Whether `drafts` may get the grammar's forced tail: they close a quoted string of a
-        constrained output."""
-        return r.grammar is not None and bool(drafts) and self._closes_quote(drafts)
-
-    def _forced_drafts_apply(self, batch: list[Request]) -> bool:
-        """Whether a step should ask the grammar for forced drafts although no row has its own:
-        with speculation on and the grammar waited for before the forward anyway (no overlap),
-        the speculative step costs nothing more than the plain one."""
-        if self.config.speculative is None or self.config.overlap:
-            return False
-        return any(r.speculate and r.grammar is not None for r in batch)
-
-    def _grammar_entries(
-        self, batch: list[Request]
-    ) -> tuple[list[Request], list[tuple[GrammarRequest, list[int]]]]:
-        """Each constrained request's tokens the grammar has not seen (accepted drafts, then the
-        pending token); the accepted drafts count as sent from now on."""
-        constrained: list[Request] = []
-        entries: list[tuple[GrammarRequest, list[int]]] = []
-        for r in batch:
-            if r.grammar is not None:
-                constrained.append(r)
-                entries.append((r.grammar, [*r.verified, r.pending]))  # type: ignore[list-item]
-            r.verified = []
-        return constrained, entries
-
-    def _apply_answer(self, r: Request, out: RowOutcome | None) -> list[int] | None:
-        """The grammar's answer for a running request: errors, forced tokens, ends. Returns the
-        forced tokens (appended) or None when the request finished."""
-        if out is None:
-            return []
-        if not out.ok:
-            self._finish(r, FR.FINISH_REASON_ERROR, error=f"constraint failed: {out.error}")
-            return None
-        ff = out.ff_tokens
-        if ff and self._append(r, ff, forced=True):
-            return None  # finished (stop string or length) inside the forced tokens
-        if out.finished and not out.accepting:
-            self._finish(
-                r, FR.FINISH_REASON_ERROR, error="constraint failed: dead end before a match"
-            )
-            return None
-        if out.finished:
-            self._finish(r, FR.FINISH_REASON_STOP)
-            return None
-        return ff
-
-    async def _decode_plain(self, batch: list[Request]) -> None:
-        started = time.perf_counter()
-        constrained, entries = self._grammar_entries(batch)
-        grammar_task: asyncio.Task[list[RowOutcome]] | None = None
-        if entries:
-            assert self.grammar is not None
-            grammar_task = asyncio.create_task(self.grammar.step(entries))
-        outcomes: dict[Request, RowOutcome] = {}
-        logits: Logits | None = None
-        if grammar_task is None or self.config.overlap:
-            rows = [_Row(r, [r.pending], r.cached) for r in batch]  # type: ignore[list-item]
-            logits = await self._forward(rows, "decode")
-            if grammar_task is not None:
-                outcomes = await self._await_grammar(grammar_task, constrained)
-            for r in batch:
-                r.cached += 1
-        else:
-            assert grammar_task is not None
-            outcomes = await self._await_grammar(grammar_task, constrained)
-
-        # Apply the grammar's answers: errors, forced tokens, ends.
-        live: list[Request] = []
-        ff_rows: list[_Row] = []
-        for r in batch:
-            pending = r.pending
-            r.pending = None
-            ff = self._apply_answer(r, outcomes.get(r))
-            if ff is None:
-                continue
-            live.append(r)
-            if self.config.overlap or grammar_task is None:
-                if ff:
-                    ff_rows.append(_Row(r, ff, r.cached))
+            call = send_step(self.grammar, batch, self.metrics)
+            if call is not None and not self.config.overlap:
+                await self._decode_serial(batch, call)
             else:
-                ff_rows.append(_Row(r, [pending, *ff], r.cached))  # type: ignore[list-item]
+                await self._decode_overlapped(batch, call)
+        elapsed = time.perf_counter() - started
+        self.metrics.step(elapsed, len(batch))
+        if spec is not None:
+            spec.record(len(batch), drafts, verified, elapsed)
 
-        serial = not self.config.overlap and grammar_task is not None
-        sample_rows: list[Request | None]
-        if serial:
-            # No overlap: one forward of pending + forced tokens for every live row.
-            if not ff_rows:
-                self.metrics.step(time.perf_counter() - started, len(batch))
-                return
-            logits = await self._forward(ff_rows, "decode")
+    async def _decode_overlapped(self, batch: list[Request], call: GrammarCall | None) -> None:
+        """Forward the pending tokens while the grammar's answers (if any) are computed; then
+        forced tokens go through the model in one jump-forward pass whose last position's
+        logits replace their row's; then sample."""
+        rows = [Row(r, [_pending(r)], r.cached) for r in batch]
+        logits = await self.stage.forward(ForwardBatch(rows, "decode"))
+        answers = await call.answers() if call is not None else {}
+        ff_rows: list[Row] = []
+        for r in batch:
+            r.cached += 1
+            r.pending = None
+            ff = self.ledger.apply_answer(r, answers.get(r))
+            if ff:
+                ff_rows.append(Row(r, ff, r.cached))
+        if ff_rows:
+            logits = await self.stage.jump_forward(logits, ff_rows, batch)
             for row in ff_rows:
                 row.req.cached += len(row.tokens)
-            sample_rows = [row.req for row in ff_rows]
-        else:
-            assert logits is not None
-            if ff_rows:
-                # Jump-forward: the forced tokens in one multi-token pass; the logits of their last
-                # position replace the row's decode logits.
-                ff_logits = await self._forward(ff_rows, "jump_forward")
-                for row in ff_rows:
-                    row.req.cached += len(row.tokens)
-                position = {id(r): i for i, r in enumerate(batch)}
-                dst = [position[id(row.req)] for row in ff_rows]
-                base = logits
-                logits = await self._on_device(lambda: self.device.replace(base, ff_logits, dst))
-            live_set = set(live)
-            sample_rows = [r if r in live_set else None for r in batch]
-        if live:
-            await self._sample_rows(sample_rows, logits, outcomes)
-        self.metrics.step(time.perf_counter() - started, len(batch))
+        # A request that left keeps its logits row; its draw is a padding row, ignored.
+        draws = [None if r.finished else Draw(r) for r in batch]
+        if any(d is not None for d in draws):
+            await self._sample(draws, logits, answers)
 
-    async def _await_grammar(
-        self, task: asyncio.Task[list[RowOutcome]], constrained: list[Request]
-    ) -> dict[Request, RowOutcome]:
-        waited = time.perf_counter()
-        res = await task
-        self.metrics.mask_wait(time.perf_counter() - waited)
-        return dict(zip(constrained, res, strict=True))
-
-    # ------------------------------------------------------------------ speculative decode
-    def _plan_drafts(self, batch: list[Request]) -> dict[Request, list[int]]:
-        """Stage 1: each request's draft tokens (none when speculation is off for it), within
-        the pass's token budget (`DraftConfig.pass_tokens`; each row's pending token counts),
-        but a copy that closes a string of a constrained output (`_brings_tail`) is kept whole
-        and not counted: the grammar's forced tail comes with it, and verified without a
-        budget such copies paid at c8 where other drafts did not."""
-        spec = self.config.speculative
-        if spec is None:
-            return {}
-        left = spec.pass_tokens - len(batch) if spec.pass_tokens else None
-        drafts: dict[Request, list[int]] = {}
+    async def _decode_serial(self, batch: list[Request], call: GrammarCall) -> None:
+        """The grammar's answers first, then one forward of pending + forced tokens for every
+        live row, then sample."""
+        answers = await call.answers()
+        rows: list[Row] = []
         for r in batch:
-            if not r.speculate:
-                continue
-            if r.drafter is None:
-                r.drafter = new_drafter(spec, self.tokenizer.token_bytes, self.tokenizer.encode)
-                r.budget = DraftBudget(spec)
-            assert r.budget is not None
-            _sync_history(r.drafter, r)
-            most = min(spec.num_draft_tokens, self._room(r) - 1)
-            want = min(r.budget.want(), most)
-            d = self._propose(r.drafter, want, most) if want > 0 else []
-            if left is not None and not self._brings_tail(r, d):
-                d = d[: max(0, left)]
-                left -= len(d)
-            if d:
-                drafts[r] = d
-                self.metrics.drafts(proposed=len(d))
-        return drafts
+            pending = _pending(r)
+            r.pending = None
+            ff = self.ledger.apply_answer(r, answers.get(r))
+            if ff is not None:
+                rows.append(Row(r, [pending, *ff], r.cached))
+        if not rows:
+            return
+        logits = await self.stage.forward(ForwardBatch(rows, "decode"))
+        for row in rows:
+            row.req.cached += len(row.tokens)
+        await self._sample([Draw(row.req) for row in rows], logits, answers)
 
-    async def _speculate(self, batch: list[Request], drafts: dict[Request, list[int]]) -> int:
-        """A step with drafts: the grammar checks them first (their rejected tail never reaches
-        the device), one forward verifies every kept draft, the sampler draws a token at every
-        position but a forced draft's, and each request keeps its drafts up to the first the
-        sampler disagrees with. Returns the number of drafts verified (the drafter's and the
-        grammar's)."""
-        started = time.perf_counter()
-        outcomes = await self._check_drafts(batch, drafts)
-        rows = self._verification_rows(batch, drafts, outcomes)
-        if rows:
-            logits = await self._forward(rows, "verify")
-            positions = [p for row in rows for p in row.positions()]
-            sampled = await self._sample(positions, logits, outcomes)
-            self._commit(rows, sampled)
-        self.metrics.step(time.perf_counter() - started, len(batch))
+    async def _speculate(self, batch: list[Request], drafts: Drafts) -> int:
+        """A step with drafts (`neuron_worker.speculator`): the grammar checks them first (their
+        rejected tail never reaches the device), one forward verifies every kept draft, the
+        sampler draws a token at every position but a forced draft's, and each request keeps
+        its drafts up to the first the sampler disagrees with. Returns the number of drafts
+        verified (the drafter's and the grammar's)."""
+        spec = self.speculator
+        assert spec is not None
+        call = send_step(
+            self.grammar, batch, self.metrics, drafts=drafts, forced_room=spec.forced_room
+        )
+        answers = await call.answers() if call is not None else {}
+        rows = spec.rows(batch, drafts, answers)
+        if not rows:
+            return 0
+        logits = await self.stage.forward(ForwardBatch(rows, "verify"))
+        draws = [p for row in rows for p in row.positions()]
+        spec.commit(rows, await self.stage.sample(draws, logits, answers))
         return sum(row.outputs - 1 for row in rows)
 
-    async def _check_drafts(
-        self, batch: list[Request], drafts: dict[Request, list[int]]
-    ) -> dict[Request, RowOutcome]:
-        """Stage 2: the grammar's answers (new tokens applied, drafts validated, not consumed).
-        Serial: the forward needs to know which drafts survive."""
-        constrained, entries = self._grammar_entries(batch)
-        if not entries:
-            return {}
-        assert self.grammar is not None
-        spec = self.config.speculative
-        assert spec is not None
-        room = [
-            max(0, min(spec.forced_drafts, self._room(r) - 1)) if r.speculate else 0
-            for r in constrained
-        ]
-        task = asyncio.create_task(
-            self.grammar.step(
-                entries,
-                drafts=[drafts.get(r, []) for r in constrained],
-                forced_draft_room=room,
-            )
-        )
-        return await self._await_grammar(task, constrained)
-
-    def _verification_rows(
-        self,
-        batch: list[Request],
-        drafts: dict[Request, list[int]],
-        outcomes: dict[Request, RowOutcome],
-    ) -> list[_Row]:
-        """Stage 3: apply the grammar's answers; each live request becomes one row of pending +
-        forced + kept drafts, with logits wanted at every draft position (but a forced draft's,
-        `_Row.wanted`) and the one after.
-        Forced tokens count against the pass's token budget before drafts do; the grammar's
-        forced drafts do not count (it forces those bytes: they are nearly always accepted, and
-        at c8 they were worth their width, 1.07x against 0.94x with them in the budget), nor do
-        own drafts that close a string (stage 1)."""
-        live: list[_Answered] = []
-        for r in batch:
-            pending = r.pending
-            r.pending = None
-            out = outcomes.get(r)
-            ff = self._apply_answer(r, out)
-            if ff is None:
-                continue
-            d = drafts.get(r, [])
-            own = len(d)
-            jump = (0, 0)
-            if out is not None and out.forced_drafts:
-                # The grammar's drafts: after its forced tokens (none of the row's own), or the
-                # row's own drafts and the bytes forced after them (`_own_prefix` of them).
-                own = 0 if ff else _own_prefix(out.forced_drafts, d)
-                tail = len(out.forced_drafts) - own
-                self.metrics.drafts(forced=tail)
-                if own:
-                    self.forced_tail += 0.2 * (tail - self.forced_tail)
-                d, jump = out.forced_drafts, out.forced_jump
-            elif out is not None:
-                d = d[: out.accepted_drafts]
-            closing = self._brings_tail(r, drafts.get(r, []))
-            d = d[: max(0, self._room(r) - 1)]
-            prefix: list[int] = [pending, *ff]  # type: ignore[list-item]
-            live.append(_Answered(r, prefix, d, min(own, len(d)), jump, closing))
-        spec = self.config.speculative
-        left = None
-        if spec is not None and spec.pass_tokens:
-            left = spec.pass_tokens - sum(len(a.prefix) for a in live)
-        rows: list[_Row] = []
-        for a in live:
-            d, own = a.drafts, a.own
-            if left is not None and not a.closing:
-                if own > max(0, left):
-                    own = max(0, left)  # the grammar's drafts after them go with them
-                    d = d[:own]
-                left -= own
-            start, count = a.jump
-            jump = (start, max(0, min(count, len(d) - start)))  # drafts cut by the limits
-            self.metrics.drafts(kept=len(d))
-            r = a.req
-            rows.append(_Row(r, [*a.prefix, *d], r.cached, 1 + len(d), own_drafts=own, jump=jump))
-            r.cached += len(a.prefix)
-        return rows
-
-    def _commit(self, rows: list[_Row], sampled: Sampled) -> None:
-        """Stage 5: per row, the drafts the sampler agreed with and the token after them."""
-        i = 0
-        accepted_total = emitted = 0
-        for row in rows:
-            r = row.req
-            d = row.tokens[len(row.tokens) - row.outputs + 1 :]
-            start, count = row.jump
-            forced = range(start, start + count)
-            at = {j: i + n for n, j in enumerate(row.wanted())}  # position -> logits row
-            i += len(at)
-            # No draw at a forced position: `accepted_prefix` keeps the draft there.
-            drawn = [sampled.tokens[at[j]] if j in at else -1 for j in range(row.outputs)]
-            a = accepted_prefix(drawn, d, forced)
-            if r.budget is not None and row.own_drafts:
-                r.budget.record(row.own_drafts, min(a, row.own_drafts))
-            r.draft_tokens += len(d)
-            r.accepted_drafts += a
-            accepted_total += a
-            for j in range(a + 1):
-                if r.finished:
-                    break
-                if j in forced:
-                    if self._append(r, [d[j]], forced=True):
-                        break
-                else:
-                    lp = sampled.logprobs[at[j]] if sampled.logprobs else None
-                    self._accept(r, drawn[j], lp)
-                    emitted += 1
-                if j < a and not r.finished:  # an accepted draft: its K/V is in the cache
-                    r.cached += 1
-                    r.verified.append(d[j])
-                    r.pending = None
-        self.metrics.drafts(accepted=accepted_total)
-        self.metrics.tokens(emitted, 0)
-
-    def _room(self, r: Request) -> int:
-        """Tokens the request may still add (max_tokens and the context limit)."""
-        return min(r.sampling.max_tokens - len(r.output), self.config.max_seq_len - r.seq_len)
-
-    # ------------------------------------------------------------------ device work
-    async def _forward(self, rows: list[_Row], kind: str) -> Logits:
-        """One forward pass over `rows`; returns logits for each row's `wanted` positions, row
-        after row (then padding rows: garbage)."""
-        end = max(row.start + len(row.tokens) for row in rows)
-        n, t, kv_len = self.forward.shape(len(rows), max(len(r.tokens) for r in rows), end)
-        wanted = [row.wanted() for row in rows]
-        count = self.forward.logits_count(n, sum(map(len, wanted)), max(map(len, wanted)))
-        tokens = np.zeros((n, t), dtype=np.int64)
-        pos = np.full((n, t), -1, dtype=np.int64)
-        slots = np.full(n, self.pad_slot, dtype=np.int64)
-        last = np.zeros(count, dtype=np.int64)
-        o = 0
-        for i, (row, want) in enumerate(zip(rows, wanted, strict=True)):
-            k = len(row.tokens)
-            tokens[i, :k] = row.tokens
-            pos[i, :k] = np.arange(row.start, row.start + k)
-            slots[i] = row.req.slot
-            last[o : o + len(want)] = i * t + k - row.outputs + np.asarray(want)
-            o += len(want)
-            row.req.forward_passes += 1
-        p = Pass(tokens, pos, slots, last, kv_len, prefill=kind == "prefill")
-        began = time.perf_counter()
-        logits = await self._on_device(
-            lambda: self.device.forward(p), ("forward", p.tokens.shape, p.prefill)
-        )
-        self.metrics.forward(kind, time.perf_counter() - began)
-        return logits
-
-    async def _sample_rows(
-        self,
-        rows: Sequence[_Row | Request | None],
-        logits: Logits,
-        outcomes: dict[Request, RowOutcome],
-    ) -> None:
-        """Mask and sample each row (None: a row whose request already left; its sample is
-        ignored), then act on the tokens."""
-        reqs = [row.req if isinstance(row, _Row) else row for row in rows]
-        result = await self._sample(
-            [(r, 0, 0) if r is not None else None for r in reqs], logits, outcomes
-        )
-        sampled = 0
-        for i, (req, tok) in enumerate(zip(reqs, result.tokens, strict=False)):
-            if req is None or req.finished:
-                continue
-            sampled += 1
-            self._accept(req, tok, result.logprobs[i] if result.logprobs else None)
-        self.metrics.tokens(sampled, 0)
-
-    async def _sample(
-        self,
-        positions: Sequence[tuple[Request, int, int] | None],
-        logits: Logits,
-        outcomes: dict[Request, RowOutcome],
-    ) -> Sampled:
-        """(Stage 4 of a speculative step.) Mask and sample every logits row: `positions[i]` =
-        (request, j, c) for the request's j-th position of this step (its j-th mask row; random
-        counter `sampled + c`), None for a row to ignore. Returns one token per logits row, and
-        the logprobs when a row asked for them."""
-        n = logits.rows
-        # Rows past the m-th stay uninitialised: their `dest` is n, so scatter_mask_rows drops them.
-        compact = np.empty((n, self.words), dtype=np.int32)
-        dest = np.full(n, n, dtype=np.int64)
-        ban_eos = np.zeros(n, dtype=bool)
-        params: dict[str, list[Any]] = {k: [] for k in _PAD_ROW}
-        extras = Extras(
-            penalties={k: [] for k in ("presence", "frequency", "repetition", "logit_bias")},
-            count=[],
-            reset=[],
-            slots=[],
-            raw_mode=[],
-        )
-        m = 0
-        for i, at in enumerate(positions):
-            if at is None:  # a greedy row whose token is ignored
-                for k, v in _PAD_ROW.items():
-                    params[k].append(v)
-                self._no_extras(extras)
-                continue
-            req, j, c = at
-            s = req.sampling
-            params["temperature"].append(s.temperature)
-            params["top_p"].append(s.top_p)
-            params["top_k"].append(s.top_k)
-            params["seed"].append(s.seed)
-            params["offset"].append(req.sampled + c)
-            if j == 0:
-                self._add_extras(extras, req)
-            else:  # a draft position: requests with penalties or logprobs never draft
-                self._no_extras(extras)
-            out = outcomes.get(req)
-            if out is not None and out.mask is not None:
-                compact[m] = out.mask[j]
-                dest[m] = i
-                m += 1
-            ban_eos[i] = s.ignore_eos and req.grammar is None
-
-        batch = SampleBatch(compact, dest, ban_eos, params, extras)
-
-        def run() -> Sampled:
-            return self.device.sample(logits, batch)
-
-        began = time.perf_counter()
-        result = await self._on_device(run, ("sample", n))
-        self.metrics.sample(time.perf_counter() - began)
-        return result
-
-    def _no_extras(self, extras: Extras) -> None:
-        """A row without penalties or logprobs (or a padding row)."""
-        self._no_penalty(extras)
-        extras.raw_mode.append(False)
-
-    def _no_penalty(self, extras: Extras) -> None:
-        for k, v in (("presence", 0.0), ("frequency", 0.0), ("repetition", 1.0)):
-            extras.penalties[k].append(v)
-        extras.penalties["logit_bias"].append({})
-        extras.slots.append(self.pad_slot)
-
-    def _add_extras(self, extras: Extras, req: Request) -> None:
-        s = req.sampling
-        extras.raw_mode.append(s.raw_logprobs)
-        extras.any_logprobs = extras.any_logprobs or s.logprobs
-        if not s.penalized:
-            self._no_penalty(extras)
-            return
-        extras.any_penalty = True
-        extras.penalties["presence"].append(s.presence_penalty)
-        extras.penalties["frequency"].append(s.frequency_penalty)
-        extras.penalties["repetition"].append(s.repetition_penalty)
-        extras.penalties["logit_bias"].append(s.logit_bias)
-        extras.slots.append(req.slot)
-        if req.sampled == 0:  # the request's first sample: its table row starts over
-            extras.reset.append((req.slot, req.prompt))
-        # Output tokens since the last penalised sample (sampled and forced).
-        extras.count.extend((req.slot, t) for t in req.output[req.counted :])
-        req.counted = len(req.output)
+    async def _sample(self, draws: list[Draw | None], logits: Logits, answers: Answers) -> None:
+        """Sample one token per draw and act on it (`Ledger.accept_draws`)."""
+        self.ledger.accept_draws(draws, await self.stage.sample(draws, logits, answers))
 
     # ------------------------------------------------------------------ warm-up
     async def warmup(self, on_graph: Callable[[str], None] | None = None) -> int:
-        """Run every graph shape the step loop can produce once, on padding inputs (the pad
-        slot's scratch position), so a static-shape backend (XLA) compiles them all before
-        serving. `on_graph(label)` is called after each one. Returns the number of graphs."""
-        began = time.perf_counter()
-        last = began
-
-        def graph_done(label: str) -> None:
-            # Per graph, so that an operator sees where a slow (cold-cache) start goes.
-            nonlocal last
-            now = time.perf_counter()
-            log.info("warm-up: %s in %.1fs", label, now - last)
-            last = now
-            if on_graph is not None:
-                on_graph(label)
-
-        count = await self._on_device(lambda: self.device.warmup(graph_done))
-        log.info("warm-up ran %d graphs in %.1fs", count, time.perf_counter() - began)
-        return count
-
-    async def _share_prefill(
-        self, logits: Logits, rows: list[_Row], shared: list[tuple[_Row, _Row]]
-    ) -> Logits:
-        """n > 1: each follower's slot gets its leader's prompt K/V (copied up to the sequence
-        bucket), and the logits gain one row per follower, its leader's (padded to a batch
-        bucket the sampler takes)."""
-        position = {id(row): i for i, row in enumerate(rows)}
-        index = list(range(len(rows)))
-        copies: list[tuple[int, int, int]] = []
-        for row, leader in shared:
-            length = self.forward.shape(1, 1, len(row.tokens))[2]
-            copies.append((leader.req.slot, row.req.slot, length))
-            index.append(position[id(leader)])
-        total = self.forward.shape(len(index), 1, 1)[0]
-        index += [0] * (total - len(index))
-        return await self._on_device(lambda: self.device.share(logits, copies, index))
-
-    # ------------------------------------------------------------------ token bookkeeping
-    def _accept(self, req: Request, tok: int, logprob: TokenLogprob | None = None) -> None:
-        """A sampled token: end the request or make it the next step's pending token."""
-        req.sampled += 1
-        if req.first_token_at is None:
-            req.first_token_at = time.monotonic()
-        if tok < 0 or tok >= self.vocab_size:
-            self._finish(
-                req,
-                FR.FINISH_REASON_ERROR,
-                error="the constraint allows no token here (grammar dead end)",
-            )
-            return
-        s = req.sampling
-        if tok in s.stop_token_ids or (
-            tok in self.eos_ids and not (s.ignore_eos and req.grammar is None)
-        ):
-            self._finish(req, FR.FINISH_REASON_STOP)
-            return
-        if self._append(req, [tok], forced=False, logprob=logprob):
-            return
-        req.pending = tok
-
-    def _append(
-        self,
-        req: Request,
-        tokens: list[int],
-        *,
-        forced: bool,
-        logprob: TokenLogprob | None = None,
-    ) -> bool:
-        """Add tokens within the request's limits; True when the request finished."""
-        take = tokens[: max(self._room(req), 0)]
-        stop = req.append(take, forced=forced, logprob=logprob) if take else None
-        if forced:
-            self.metrics.tokens(0, len(take))
-        if stop is not None:
-            self._finish(req, FR.FINISH_REASON_STOP_STRING, stop_string=stop)
-            return True
-        if len(take) < len(tokens) or self._room(req) <= 0:
-            self._finish(req, FR.FINISH_REASON_LENGTH)
-            return True
-        return False
+        """Compile every graph shape the step loop can produce (`DeviceStage.warmup`); returns
+        the number of graphs."""
+        return await self.stage.warmup(on_graph)

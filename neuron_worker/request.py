@@ -1,4 +1,4 @@
-"""Per-request state for the engine: prompt, sampling, generated tokens, output stream."""
+"""Per-request state for the engine: prompt, sampling, generated tokens, output events."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from maskwire.rpc import RpcError
-from maskwire.v1 import common_pb2, worker_pb2
 from neuron_worker.detokenize import Detokenizer
 from neuron_worker.drafter import DraftBudget, Drafter
+from neuron_worker.events import Delta, Final, FinishReason, Output, TokenEntry, Usage
 from neuron_worker.grammar_client import GrammarRequest
+
+if TYPE_CHECKING:
+    from maskwire.v1 import common_pb2
 
 
 class State(enum.Enum):
@@ -60,9 +63,6 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-OutputItem = worker_pb2.GenerateResponse | RpcError
-
-
 @dataclass(eq=False)
 class Request:
     """One Generate call from admission to its final message.
@@ -107,11 +107,11 @@ class Request:
     counted: int = 0  # output tokens already in the penalty occurrence table
     abort_reason: str | None = None  # set by Abort / cancellation; acted on between steps
     first_token_at: float | None = None
-    outputs: asyncio.Queue[OutputItem] = field(default_factory=asyncio.Queue)
+    outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
     # Token ids and text not yet sent to the client.
     _unsent_ids: list[int] = field(default_factory=list)
     _unsent_text: list[str] = field(default_factory=list)
-    _unsent_logprobs: list[worker_pb2.TokenLogprob] = field(default_factory=list)
+    _unsent_logprobs: list[TokenEntry] = field(default_factory=list)
 
     @property
     def call_id(self) -> str:
@@ -156,48 +156,39 @@ class Request:
             self._unsent_text.append(delta.text)
         return delta.stop
 
-    def flush_message(self) -> worker_pb2.GenerateResponse | None:
-        """A delta message with what was generated since the last one (None if nothing)."""
+    def delta(self) -> Delta | None:
+        """What was generated since the last event (None if nothing)."""
         if not self._unsent_ids and not self._unsent_text:
             return None
-        msg = worker_pb2.GenerateResponse(
-            request_id=self.call_id,
-            index=self.index,
-            token_ids=self._unsent_ids,
-            text="".join(self._unsent_text),
-            logprobs=self._unsent_logprobs,
+        delta = Delta(
+            self.call_id,
+            self.index,
+            self._unsent_ids,
+            "".join(self._unsent_text),
+            self._unsent_logprobs,
         )
         self._unsent_ids = []
         self._unsent_text = []
         self._unsent_logprobs = []
-        return msg
+        return delta
 
-    def final_message(
-        self, reason: int, *, stop_string: str = "", error: str = ""
-    ) -> worker_pb2.GenerateResponse:
-        """The last message: remaining delta (held text released unless a stop string hit),
+    def final(self, reason: FinishReason, *, stop_string: str = "", error: str = "") -> Final:
+        """The last event: remaining delta (held text released unless a stop string hit),
         finish reason and usage."""
-        if reason != worker_pb2.FINISH_REASON_STOP_STRING:
+        if reason is not FinishReason.STOP_STRING:
             tail = self.detok.flush().text
             if tail:
                 self._unsent_text.append(tail)
-        msg = self.flush_message() or worker_pb2.GenerateResponse(
-            request_id=self.call_id, index=self.index
+        usage = Usage(
+            prompt_tokens=len(self.prompt),
+            completion_tokens=len(self.output),
+            forced_tokens=self.forced_tokens,
+            forward_passes=self.forward_passes,
+            draft_tokens=self.draft_tokens,
+            accepted_draft_tokens=self.accepted_drafts,
         )
-        msg.finish_reason = reason  # type: ignore[assignment]
-        msg.stop_string = stop_string
-        msg.error = error
-        msg.usage.CopyFrom(
-            worker_pb2.Usage(
-                prompt_tokens=len(self.prompt),
-                completion_tokens=len(self.output),
-                forced_tokens=self.forced_tokens,
-                forward_passes=self.forward_passes,
-                draft_tokens=self.draft_tokens,
-                accepted_draft_tokens=self.accepted_drafts,
-            )
-        )
-        return msg
+        delta = self.delta() or Delta(self.call_id, self.index)
+        return Final(delta, reason, usage, stop_string=stop_string, error=error)
 
 
 def _logprob_entry(
@@ -206,18 +197,15 @@ def _logprob_entry(
     logprob: TokenLogprob | None,
     token_bytes: Callable[[int], bytes],
     top: int,
-) -> worker_pb2.TokenLogprob:
-    """The wire entry of one generated token: forced tokens have logprob 0 and only themselves
-    as alternative; a sampled token's alternatives are its best `top`, forbidden ones left out."""
+) -> TokenEntry:
+    """The entry of one generated token: forced tokens have logprob 0 and only themselves as
+    alternative; a sampled token's alternatives are its best `top`, forbidden ones left out."""
     text = token_bytes(token)
-    entry = worker_pb2.TokenLogprob(token_id=token, token=text, forced=forced)
     if forced or logprob is None:
-        if top:
-            entry.top_logprobs.add(token_id=token, token=text, logprob=0.0)
-        return entry
-    entry.logprob = logprob.logprob
+        return TokenEntry(token, text, forced, top=((token, text, 0.0),) if top else ())
+    best: list[tuple[int, bytes, float]] = []
     for tid, lp in logprob.top[:top]:
         if lp == float("-inf"):
             break
-        entry.top_logprobs.add(token_id=tid, token=token_bytes(tid), logprob=lp)
-    return entry
+        best.append((tid, token_bytes(tid), lp))
+    return TokenEntry(token, text, forced, logprob.logprob, tuple(best))

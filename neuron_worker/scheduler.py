@@ -20,9 +20,7 @@ import contextlib
 from collections import Counter, deque
 from collections.abc import Sequence
 
-import grpc
-
-from maskwire.rpc import RpcError
+from neuron_worker.events import EngineError, ErrorKind
 from neuron_worker.request import Request, State
 
 
@@ -198,9 +196,9 @@ class Scheduler:
         return bucket_for(self.seq_buckets, n)
 
 
-def queue_full(max_queue: int) -> RpcError:
-    return RpcError(
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
+def queue_full(max_queue: int) -> EngineError:
+    return EngineError(
+        ErrorKind.RESOURCE_EXHAUSTED,
         f"the worker's queue is full ({max_queue} waiting requests); retry later",
         reason="QUEUE_FULL",
     )

@@ -1,4 +1,5 @@
-"""The `maskwire.v1.Worker` gRPC service: validates requests, feeds the engine, streams deltas."""
+"""The `maskwire.v1.Worker` gRPC service: validates requests, feeds the engine, streams its
+events as `GenerateResponse` messages and its errors as gRPC statuses."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
 from neuron_worker.detokenize import Detokenizer
 from neuron_worker.engine import Engine
+from neuron_worker.events import Delta, EngineError, Final, FinishReason, TokenEntry
 from neuron_worker.logprobs import TOP_WIDTH
 from neuron_worker.penalties import BIAS_WIDTH
 from neuron_worker.request import Request, Sampling
@@ -75,22 +77,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             left = len(choices)
             while True:
                 item = await req.outputs.get()
-                if isinstance(item, RpcError):
+                if isinstance(item, Exception):
                     done = True
-                    raise item
-                if item.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED:
+                    raise status(item)
+                msg = response(item)
+                if isinstance(item, Final):
                     left -= 1
                     done = left == 0
                 if report is not None:
-                    item.schema_report.CopyFrom(report)
+                    msg.schema_report.CopyFrom(report)
                     report = None
-                yield item
+                yield msg
                 if done:
                     return
-        except RpcError as e:
+        except (RpcError, EngineError) as e:
             done = True
-            self.engine.metrics.rejected(e.code.name)
-            await e.abort(context)
+            err = status(e)
+            self.engine.metrics.rejected(err.code.name)
+            await err.abort(context)
         finally:
             # Client went away (or the handler failed): free the KV slots and grammar state of
             # exactly this call's requests, whatever other calls are named.
@@ -261,6 +265,63 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             tokenizer=tok.fingerprint.to_proto(),
             max_batch_size=self.engine.config.max_batch,
         )
+
+
+def status(err: Exception) -> RpcError:
+    """The gRPC status of an error that ended a call: the engine's own (`EngineError`, as the
+    status code of its kind's name), or the grammar client's status as it is."""
+    if isinstance(err, RpcError):
+        return err
+    if isinstance(err, EngineError):
+        code = grpc.StatusCode[err.kind.name]
+        return RpcError(code, err.message, err.violations, reason=err.reason)
+    return RpcError(grpc.StatusCode.INTERNAL, f"internal error: {err}")
+
+
+_FINISH_REASONS = {
+    FinishReason.STOP: worker_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP_STRING: worker_pb2.FINISH_REASON_STOP_STRING,
+    FinishReason.ABORT: worker_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: worker_pb2.FINISH_REASON_ERROR,
+}
+
+
+def response(item: Delta | Final) -> worker_pb2.GenerateResponse:
+    """An engine event as the message that streams it."""
+    delta = item.delta if isinstance(item, Final) else item
+    msg = worker_pb2.GenerateResponse(
+        request_id=delta.request_id,
+        index=delta.index,
+        token_ids=delta.token_ids,
+        text=delta.text,
+        logprobs=[_logprob(e) for e in delta.logprobs],
+    )
+    if isinstance(item, Final):
+        msg.finish_reason = _FINISH_REASONS[item.reason]
+        msg.stop_string = item.stop_string
+        msg.error = item.error
+        u = item.usage
+        msg.usage.CopyFrom(
+            worker_pb2.Usage(
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                forced_tokens=u.forced_tokens,
+                forward_passes=u.forward_passes,
+                draft_tokens=u.draft_tokens,
+                accepted_draft_tokens=u.accepted_draft_tokens,
+            )
+        )
+    return msg
+
+
+def _logprob(e: TokenEntry) -> worker_pb2.TokenLogprob:
+    entry = worker_pb2.TokenLogprob(
+        token_id=e.token_id, token=e.token, forced=e.forced, logprob=e.logprob
+    )
+    for tid, text, lp in e.top:
+        entry.top_logprobs.add(token_id=tid, token=text, logprob=lp)
+    return entry
 
 
 def _check_request_id(request_id: str, *, empty_ok: bool) -> list[FieldViolation]:

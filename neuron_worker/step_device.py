@@ -33,11 +33,11 @@ from neuron_worker.masks import scatter_mask_rows
 from neuron_worker.penalties import OccurrenceTable, PenaltyTensors
 from neuron_worker.request import TokenLogprob
 from neuron_worker.sampler import SamplingTensors
+from neuron_worker.sampling_rows import PAD_ROW, SamplingRow, SamplingRows
 from neuron_worker.scheduler import pow2_buckets
 
 __all__ = [
     "DeviceLostError",
-    "Extras",
     "Logits",
     "SampleBatch",
     "Sampled",
@@ -85,31 +85,16 @@ class Logits:
 
 
 @dataclass
-class Extras:
-    """A step's optional sampler work: penalties (occurrences to count first, slots whose table
-    row starts over) and logprobs. Empty for steps where no row asks for them."""
-
-    penalties: dict[str, list[Any]]
-    count: list[tuple[int, int]]
-    reset: list[tuple[int, list[int]]]
-    slots: list[int]
-    raw_mode: list[bool]
-    any_penalty: bool = False
-    any_logprobs: bool = False
-
-
-@dataclass
 class SampleBatch:
     """The host side of one sampling step, for ``rows`` logits rows: the grammar's packed mask
     rows (``compact[k]`` goes to logits row ``dest[k]``; ``dest == rows`` drops it), the rows
-    whose EOS is banned, per-row sampling parameters (lists shorter than ``rows``: greedy padding
-    rows) and the optional extras."""
+    whose EOS is banned, and the rows' sampling parameters (fewer than ``rows``: the rest are
+    padding rows)."""
 
     compact: np.ndarray
     dest: np.ndarray
     ban_eos: np.ndarray
-    params: dict[str, list[Any]]
-    extras: Extras | None = None
+    rows: SamplingRows
 
 
 @dataclass
@@ -276,9 +261,12 @@ class StepDevice:
         unpacked on the device; every input has the same shape every step (no mask tensor at all
         when structured outputs are disabled)."""
         n = int(logits.shape[0])
-        params, extras = batch.params, batch.extras
-        pad = n - len(params["temperature"])
+        rows = batch.rows.padded(n)
+        penalty, logprobs_on = batch.rows.any_penalty, batch.rows.any_logprobs
         backend = self.backend
+        if backend.traces_ops and (penalty or logprobs_on):
+            # One graph kind with both (static graphs: no penalties x logprobs combinations).
+            penalty = logprobs_on = True
         with backend.inference_mode():
             lg = self._ban_eos(logits, batch.ban_eos)
             mask: Tensor | None = None
@@ -289,28 +277,21 @@ class StepDevice:
                     n,
                 )
             tensors = SamplingTensors.build(
-                temperature=params["temperature"] + [0.0] * pad,
-                top_p=params["top_p"] + [1.0] * pad,
-                top_k=params["top_k"] + [0] * pad,
-                seed=params["seed"] + [0] * pad,
-                offset=params["offset"] + [0] * pad,
+                temperature=[r.temperature for r in rows],
+                top_p=[r.top_p for r in rows],
+                top_k=[r.top_k for r in rows],
+                seed=[r.seed for r in rows],
+                offset=[r.offset for r in rows],
                 n_rows=n,
                 device=backend.device,
             )
-            if (
-                extras is not None
-                and backend.traces_ops
-                and (extras.any_penalty or extras.any_logprobs)
-            ):
-                # One graph kind with both (static graphs: no penalties x logprobs combinations).
-                extras.any_penalty = extras.any_logprobs = True
-            if extras is not None and extras.any_penalty:
-                lg = self._penalize(lg, extras, pad)
+            if penalty:
+                lg = self._penalize(lg, batch.rows, rows)
             mask = self._sampler_mask(mask)
             out = self.sampler(lg, mask, tensors)
             logprobs: list[TokenLogprob] = []
-            if extras is not None and extras.any_logprobs:
-                raw_mode = torch.tensor(extras.raw_mode + [False] * pad, dtype=torch.bool)
+            if logprobs_on:
+                raw_mode = torch.tensor([r.raw_logprobs for r in rows], dtype=torch.bool)
                 # Two distinct tensors always: the graph is guarded on its inputs not aliasing.
                 processed = lg.clone() if lg is logits else lg
                 lp = self.sampler.logprobs(
@@ -339,24 +320,25 @@ class StepDevice:
         slice's words)."""
         return mask
 
-    def _penalize(self, logits: Tensor, extras: Extras, pad: int) -> Tensor:
-        """Update the occurrence table, then penalise and bias the logits."""
+    def _penalize(self, logits: Tensor, step: SamplingRows, rows: list[SamplingRow]) -> Tensor:
+        """Update the occurrence table with ``step``'s counts and resets, then penalise and bias
+        the logits by ``rows`` (the step's rows, padded)."""
         table = self.occurrences
         assert table is not None
-        for slot, prompt in extras.reset:
+        for slot, prompt in step.reset:
             table.reset(slot, prompt)
-        table.add(extras.count)
+        table.add(step.count)
         # The updates' sizes vary (padded to powers of two): their own small graphs on XLA,
         # never part of the sampler's.
         self.backend.mark_step()
-        slots = torch.tensor(extras.slots + [self.pad_slot] * pad, dtype=torch.int64)
+        pad = self.pad_slot
+        slots = torch.tensor([pad if r.slot is None else r.slot for r in rows], dtype=torch.int64)
         counts, seen = table.rows(self.backend.to_device(slots))
-        p = extras.penalties
         params = PenaltyTensors.build(
-            presence=p["presence"] + [0.0] * pad,
-            frequency=p["frequency"] + [0.0] * pad,
-            repetition=p["repetition"] + [1.0] * pad,
-            logit_bias=p["logit_bias"] + [{}] * pad,
+            presence=[r.presence for r in rows],
+            frequency=[r.frequency for r in rows],
+            repetition=[r.repetition for r in rows],
+            logit_bias=[r.logit_bias for r in rows],
             n_rows=int(logits.shape[0]),
             device=self.backend.device,
         )
@@ -385,20 +367,16 @@ class StepDevice:
                 ("sample", 1.0, 1.0, 0),
                 ("filter", 1.0, 0.5, 5),
             ):
-                params: dict[str, list[Any]] = {
-                    "temperature": [temp] * n,
-                    "top_p": [top_p] * n,
-                    "top_k": [top_k] * n,
-                    "seed": [0] * n,
-                    "offset": [0] * n,
-                }
-                self._sample(self._warmup_logits(logits), SampleBatch(compact, dest, ban, params))
+                greedy = [SamplingRow(temperature=temp, top_p=top_p, top_k=top_k)] * n
+                batch = SampleBatch(compact, dest, ban, SamplingRows(greedy))
+                self._sample(self._warmup_logits(logits), batch)
                 on_graph(f"sampler batch={n} {kind}")
                 count += 1
                 # With penalties and logprobs: their graphs (CPU/CUDA: once per bucket), or on
                 # XLA one sampler graph per kind that includes them.
-                batch = SampleBatch(compact, dest, ban, params, self._warmup_extras(n))
-                self._sample(self._warmup_logits(logits), batch)
+                extras = self._warmup_rows(n)
+                extras.rows = greedy
+                self._sample(self._warmup_logits(logits), SampleBatch(compact, dest, ban, extras))
                 on_graph(f"sampler batch={n} {kind} with penalties and logprobs")
                 count += 1
         return count
@@ -410,21 +388,11 @@ class StepDevice:
         with self.backend.inference_mode():
             return self.backend.to_device(host)
 
-    def _warmup_extras(self, n: int) -> Extras:
-        """Penalties and logprobs for ``n`` padding rows (the pad slot, nothing penalised)."""
-        return Extras(
-            penalties={
-                "presence": [0.0] * n,
-                "frequency": [0.0] * n,
-                "repetition": [1.0] * n,
-                "logit_bias": [{}] * n,
-            },
-            count=[(self.pad_slot, 0)],
-            reset=[],
-            slots=[self.pad_slot] * n,
-            raw_mode=[False] * n,
-            any_penalty=True,
-            any_logprobs=True,
+    def _warmup_rows(self, n: int) -> SamplingRows:
+        """``n`` padding rows (the pad slot, nothing penalised) that ask for penalties and
+        logprobs."""
+        return SamplingRows(
+            [PAD_ROW] * n, count=[(self.pad_slot, 0)], any_penalty=True, any_logprobs=True
         )
 
 

@@ -43,9 +43,9 @@ from neuron_worker.parallel.sampling import ShardedSampler
 from neuron_worker.parallel.vocab import VocabShard, shard_mask_words
 from neuron_worker.penalties import OccurrenceTable, PenaltyTensors, apply_penalties
 from neuron_worker.sampler import Logprobs
+from neuron_worker.sampling_rows import SamplingRow, SamplingRows
 from neuron_worker.step_device import (
     DeviceLostError,
-    Extras,
     Logits,
     SampleBatch,
     Sampled,
@@ -58,7 +58,7 @@ __all__ = [
     "RankSpec",
     "ShardedStepDevice",
     "follow_calls",
-    "localize_extras",
+    "localize_rows",
     "shard_device",
     "start_followers",
     "stop_followers",
@@ -157,24 +157,25 @@ class ShardedStepDevice(StepDevice):
     def _sampler_mask(self, mask: Tensor | None) -> Tensor | None:
         return None if mask is None else shard_mask_words(mask, self.shard)
 
-    def _penalize(self, logits: Tensor, extras: Extras, pad: int) -> Tensor:
-        return super()._penalize(logits, localize_extras(extras, self.shard), pad)
+    def _penalize(self, logits: Tensor, step: SamplingRows, rows: list[SamplingRow]) -> Tensor:
+        local = localize_rows(dataclasses.replace(step, rows=rows), self.shard)
+        return super()._penalize(logits, local, local.rows)
 
 
-def localize_extras(e: Extras, shard: VocabShard) -> Extras:
+def localize_rows(rows: SamplingRows, shard: VocabShard) -> SamplingRows:
     """The penalty inputs with token ids as columns of ``shard`` (ids of other slices dropped):
     penalties act column by column, so each rank needs only its own."""
     lo, hi = shard.start, shard.stop
     return dataclasses.replace(
-        e,
-        count=[(slot, t - lo) for slot, t in e.count if lo <= t < hi],
-        reset=[(slot, [t - lo for t in p if lo <= t < hi]) for slot, p in e.reset],
-        penalties={
-            **e.penalties,
-            "logit_bias": [
-                {t - lo: v for t, v in b.items() if lo <= t < hi} for b in e.penalties["logit_bias"]
-            ],
-        },
+        rows,
+        rows=[
+            dataclasses.replace(
+                r, logit_bias={t - lo: v for t, v in r.logit_bias.items() if lo <= t < hi}
+            )
+            for r in rows.rows
+        ],
+        count=[(slot, t - lo) for slot, t in rows.count if lo <= t < hi],
+        reset=[(slot, [t - lo for t in p if lo <= t < hi]) for slot, p in rows.reset],
     )
 
 

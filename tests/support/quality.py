@@ -166,7 +166,7 @@ class Decoder:
         return self.run_rows([Row(0, tokens, start, outputs)], prefill=prefill)
 
     def run_rows(self, rows: Sequence[Row], *, prefill: bool = False) -> Tensor:
-        """One pass over `rows`, built as the engine builds it (`Engine._forward`): the float32
+        """One pass over `rows`, built as the engine builds it (`ForwardBatch.pack`): the float32
         logits of each row's last `outputs` tokens, row after row, on the host."""
         runner = self.device.runner
         end = max(r.start + len(r.tokens) for r in rows)

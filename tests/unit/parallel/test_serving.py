@@ -11,9 +11,9 @@ from maskwire.bitmask import words_per_row
 from neuron_worker.logprobs import TOP_WIDTH, token_logprobs
 from neuron_worker.parallel import shard_mask_words, vocab_shards
 from neuron_worker.parallel.logprobs import combine_logprobs, local_logprob_parts
-from neuron_worker.parallel.serving import localize_extras
+from neuron_worker.parallel.serving import localize_rows
 from neuron_worker.penalties import OccurrenceTable, PenaltyTensors, apply_penalties
-from neuron_worker.step_device import Extras
+from neuron_worker.sampling_rows import SamplingRow, SamplingRows
 
 VOCAB = 300  # the tokenizer's
 LOGITS = 320  # the model's row: 20 padded columns never count
@@ -76,17 +76,16 @@ def test_sharded_logprobs_equal_the_whole_row(world: int) -> None:
     assert (got[1] < VOCAB).all()  # padded model columns are never an alternative
 
 
-def _penalised(table: OccurrenceTable, logits: torch.Tensor, e: Extras) -> torch.Tensor:
+def _penalised(table: OccurrenceTable, logits: torch.Tensor, e: SamplingRows) -> torch.Tensor:
     for slot, prompt in e.reset:
         table.reset(slot, prompt)
     table.add(e.count)
-    counts, seen = table.rows(torch.tensor(e.slots))
-    p = e.penalties
+    counts, seen = table.rows(torch.tensor([r.slot for r in e.rows]))
     t = PenaltyTensors.build(
-        presence=p["presence"],
-        frequency=p["frequency"],
-        repetition=p["repetition"],
-        logit_bias=p["logit_bias"],
+        presence=[r.presence for r in e.rows],
+        frequency=[r.frequency for r in e.rows],
+        repetition=[r.repetition for r in e.rows],
+        logit_bias=[r.logit_bias for r in e.rows],
         n_rows=logits.shape[0],
     )
     return apply_penalties(
@@ -96,24 +95,27 @@ def _penalised(table: OccurrenceTable, logits: torch.Tensor, e: Extras) -> torch
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_penalties_slice_by_slice_equal_the_whole_row(world: int) -> None:
-    extras = Extras(
-        penalties={
-            "presence": [0.5, 0.0, 1.0],
-            "frequency": [0.3, 0.0, 0.0],
-            "repetition": [1.2, 1.0, 1.5],
-            "logit_bias": [{5: 3.0, 250: -100.0, 319: 7.0}, {}, {120: 2.5, 299: -1.0}],
-        },
+    extras = SamplingRows(
+        [
+            SamplingRow(
+                presence=0.5,
+                frequency=0.3,
+                repetition=1.2,
+                logit_bias={5: 3.0, 250: -100.0, 319: 7.0},
+                slot=0,
+            ),
+            SamplingRow(slot=3),
+            SamplingRow(presence=1.0, repetition=1.5, logit_bias={120: 2.5, 299: -1.0}, slot=2),
+        ],
         count=[(0, 5), (0, 5), (0, 250), (2, 7), (2, 260), (2, 119)],
         reset=[(0, [1, 2, 3, 250, 251]), (2, [100, 101, 299])],
-        slots=[0, 3, 2],
-        raw_mode=[False] * 3,
         any_penalty=True,
     )
     logits = torch.randn(3, LOGITS, generator=torch.Generator().manual_seed(5))
     whole = _penalised(OccurrenceTable(slots=4, logits_size=LOGITS, device="cpu"), logits, extras)
     parts = []
     for s in vocab_shards(LOGITS, world):
-        local = localize_extras(extras, s)
+        local = localize_rows(extras, s)
         assert all(0 <= t < s.width for _, t in local.count)
         table = OccurrenceTable(slots=4, logits_size=s.width, device="cpu")
         parts.append(_penalised(table, logits[:, s.start : s.stop], local))

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -27,10 +27,14 @@ from neuron_worker.backends import create_backend
 from neuron_worker.detokenize import Detokenizer
 from neuron_worker.drafter import DraftConfig
 from neuron_worker.engine import Engine, EngineConfig
+from neuron_worker.events import EngineError, Output
 from neuron_worker.grammar_client import GrammarRequest, RowOutcome
 from neuron_worker.request import Request, Sampling
 from neuron_worker.sampler import Sampler
+from neuron_worker.servicer import response, status
 from neuron_worker.step_device import StepDevice
+
+T = TypeVar("T")
 
 TOK = load_tokenizer("default")
 V = TOK.vocab_size
@@ -228,11 +232,24 @@ def request(
     )
 
 
+def wire(item: Output) -> worker_pb2.GenerateResponse | RpcError:
+    """An output event as the servicer streams it (an error: its status)."""
+    return status(item) if isinstance(item, Exception) else response(item)
+
+
+async def rpc(call: Awaitable[T]) -> T:
+    """`call`, with the engine's own errors as the statuses the servicer answers with."""
+    try:
+        return await call
+    except EngineError as e:
+        raise status(e) from e
+
+
 async def collect(req: Request) -> tuple[list[int], str, worker_pb2.GenerateResponse]:
     ids: list[int] = []
     text = ""
     while True:
-        msg = await req.outputs.get()
+        msg = wire(await req.outputs.get())
         assert not isinstance(msg, RpcError), msg
         ids += list(msg.token_ids)
         text += msg.text
@@ -349,7 +366,7 @@ async def test_the_forced_prefix_streams_before_the_prefill_pass_ends() -> None:
     try:
         r = request(0, constrained=True)
         await engine.submit(r)
-        first = await asyncio.wait_for(r.outputs.get(), 10)
+        first = wire(await asyncio.wait_for(r.outputs.get(), 10))
         assert not isinstance(first, RpcError)
         # The prefill is still blocked: these tokens came from the grammar's first step alone.
         assert list(first.token_ids) == FF and first.text == TOK.decode_bytes(FF).decode()
@@ -417,7 +434,7 @@ async def test_disabled_structured_outputs_rejects_constraints() -> None:
     engine, _ = make_engine(overlap=True)
     engine.config = EngineConfig(structured_outputs=False)
     with pytest.raises(RpcError) as e:
-        await engine.submit(request(0, constrained=True))
+        await rpc(engine.submit(request(0, constrained=True)))
     assert e.value.code is grpc.StatusCode.FAILED_PRECONDITION
     assert "--enable-structured-outputs" in e.value.message
 
@@ -455,7 +472,7 @@ async def collect_logprobs(req: Request) -> tuple[list[int], list[worker_pb2.Tok
     ids: list[int] = []
     entries: list[worker_pb2.TokenLogprob] = []
     while True:
-        msg = await req.outputs.get()
+        msg = wire(await req.outputs.get())
         assert not isinstance(msg, RpcError), msg
         ids += list(msg.token_ids)
         entries += list(msg.logprobs)
@@ -584,7 +601,7 @@ async def collect_group(queue_owner: Request, n: int) -> dict[int, tuple[list[in
     got: dict[int, tuple[list[int], Any]] = {i: ([], None) for i in range(n)}
     left = n
     while left:
-        msg = await queue_owner.outputs.get()
+        msg = wire(await queue_owner.outputs.get())
         assert not isinstance(msg, RpcError), msg
         ids, _ = got[msg.index]
         ids += list(msg.token_ids)
@@ -661,7 +678,7 @@ async def test_call_and_choice_ids_are_one_namespace() -> None:
             r = request(3, constrained=True)
             r.request_id = rid
             with pytest.raises(RpcError) as e:
-                await engine.submit_group(_choices(r, n))
+                await rpc(engine.submit_group(_choices(r, n)))
             assert e.value.code is grpc.StatusCode.ALREADY_EXISTS, (rid, n)
         assert set(engine.requests) == {"x/0", "x/1", "r2"}
         assert set(engine.calls) == {"x", "r2"}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import pytest
@@ -24,9 +23,11 @@ import torch
 
 from maskwire.v1 import common_pb2, worker_pb2
 from neuron_worker.detokenize import Detokenizer
-from neuron_worker.engine import Engine, _Row
+from neuron_worker.engine import Engine
 from neuron_worker.grammar_client import GrammarRequest, RowOutcome
 from neuron_worker.request import Request, Sampling
+from neuron_worker.step_device import Logits
+from neuron_worker.step_rows import Draw, ForwardBatch
 from tests.unit.worker.test_engine import TOK, V, collect, make_engine
 from tests.unit.worker.test_speculative import CYCLE, periodic, token_drafts
 
@@ -245,16 +246,17 @@ async def test_draft_positions_get_their_own_mask_rows(overlap: bool) -> None:
     forced jump each at their position; the output is the reference's, as without drafts."""
     engine, grammar = positional_engine(overlap=overlap, speculative=True)
     verified: list[tuple[int, int, tuple[int, int]]] = []  # (drafts, own drafts, jump)
-    forward = engine._forward
+    forward = engine.stage.forward
 
-    async def spy(rows: list[_Row], kind: str) -> Any:
+    async def spy(batch: ForwardBatch) -> Logits:
+        rows, kind = batch.rows, batch.kind
         if kind == "verify":
             verified.extend(
                 (r.outputs - 1, r.own_drafts, r.jump) for r in rows if r.req.constrained
             )
-        return await forward(rows, kind)
+        return await forward(batch)
 
-    engine._forward = spy  # type: ignore[method-assign]
+    engine.stage.forward = spy  # type: ignore[method-assign]
     reqs = workload()
     got = await run(engine, reqs)
     assert not grammar.refused
@@ -316,9 +318,9 @@ async def test_sample_takes_each_positions_row() -> None:
         # The model prefers a token no row allows, at every position.
         logits = torch.zeros(8, V + 64)
         logits[:, CYCLE[2]] = 10.0
-        positions = [(a, 0, 0), (a, 1, 1), (a, 2, 2), (b, 0, 0), (b, 1, 1)]
+        positions = [Draw(a, 0, 0), Draw(a, 1, 1), Draw(a, 2, 2), Draw(b, 0, 0), Draw(b, 1, 1)]
         held = engine.device._hold(logits)  # type: ignore[attr-defined]
-        out = await engine._sample(positions, held, outcomes)
+        out = await engine.stage.sample(positions, held, outcomes)
     finally:
         await engine.stop()
     assert out.tokens[:5] == [*tokens[a], *tokens[b]]

@@ -21,7 +21,7 @@ def test_every_reachable_shape_is_warmed(
 ) -> None:
     shapes = set(forward_shapes(batch, tokens, seq))
     assert len(shapes) == len(forward_shapes(batch, tokens, seq))  # no duplicates
-    # Engine._forward: rows of k tokens written from `start`; T = token bucket of the longest row,
+    # ForwardBatch.pack: rows of k tokens written from `start`; T = token bucket of the longest row,
     # kv_len = sequence bucket of the furthest end.
     for n in batch:
         for k in range(1, max_seq + 1):

@@ -9,8 +9,10 @@ import pytest
 
 from maskwire.rpc import RpcError
 from neuron_worker.detokenize import Detokenizer
+from neuron_worker.events import EngineError
 from neuron_worker.request import Request, Sampling, State
 from neuron_worker.scheduler import Scheduler, bucket_for, parse_buckets, pow2_buckets
+from neuron_worker.servicer import status
 
 
 def make(i: int, n_prompt: int = 4, peer: str = "", group: str = "") -> Request:
@@ -46,12 +48,20 @@ def test_buckets() -> None:
         parse_buckets("0,2", 8, 1)
 
 
+def as_status(call: Callable[[], object]) -> None:
+    """`call`, its refusal raised as the status the servicer answers with."""
+    try:
+        call()
+    except EngineError as e:
+        raise status(e) from e
+
+
 def test_queue_full_is_resource_exhausted() -> None:
     s = sched()
     s.enqueue(make(0))
     s.enqueue(make(1))
     with pytest.raises(RpcError) as e:
-        s.enqueue(make(2))
+        as_status(lambda: s.enqueue(make(2)))
     assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
@@ -94,7 +104,7 @@ def test_prefill_budget_splits_admission_but_always_admits_one() -> None:
 
 def _refused(call: Callable[[], object]) -> RpcError:
     with pytest.raises(RpcError) as e:
-        call()
+        as_status(call)
     assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.reason == "QUEUE_FULL"
     return e.value
 

@@ -21,11 +21,12 @@ from neuron_worker.drafter import (
     TextDrafter,
     accepted_prefix,
 )
-from neuron_worker.engine import Engine, _Row
+from neuron_worker.engine import Engine
 from neuron_worker.graphs import Pass
 from neuron_worker.request import Request, Sampling
 from neuron_worker.sampler import sample_tokens
-from neuron_worker.step_device import Sampled
+from neuron_worker.step_device import Logits, Sampled
+from neuron_worker.step_rows import ForwardBatch, Row
 from tests.unit.worker.test_engine import (
     FF,
     FORCED_DRAFT,
@@ -180,12 +181,14 @@ def test_a_copy_that_closes_a_string_is_proposed_whole_within_the_most() -> None
     """The budget's k cuts ordinary drafts, not a copy that closes a quoted string (cut before
     its quote it would get no forced tail); `most` (the pass budget, the room) still does."""
     engine, _ = make_engine(overlap=False, limit=30, speculative=token_drafts(4))
+    speculator = engine.speculator
+    assert speculator is not None
     closing = FixedDrafter(' Gonzalez"')
     assert len(closing.tokens) == 3
-    assert engine._propose(closing, 1, 4) == closing.tokens  # type: ignore[arg-type]
-    assert engine._propose(closing, 1, 2) == closing.tokens[:1]  # type: ignore[arg-type]
+    assert speculator._propose(closing, 1, 4) == closing.tokens  # type: ignore[arg-type]
+    assert speculator._propose(closing, 1, 2) == closing.tokens[:1]  # type: ignore[arg-type]
     running = FixedDrafter(" Gonzalez is an architect")
-    assert engine._propose(running, 1, 4) == running.tokens[:1]  # type: ignore[arg-type]
+    assert speculator._propose(running, 1, 4) == running.tokens[:1]  # type: ignore[arg-type]
 
 
 def test_budget_backs_off_pauses_and_recovers() -> None:
@@ -327,16 +330,17 @@ async def test_speculation_changes_no_output_and_saves_passes(
     )
     spec_model.rule = periodic
     verified_drafts: list[list[int]] = []
-    forward = spec._forward
+    forward = spec.stage.forward
 
-    async def spy(rows: list[Any], kind: str) -> torch.Tensor:
+    async def spy(batch: ForwardBatch) -> Logits:
+        rows, kind = batch.rows, batch.kind
         if kind == "verify":
             for row in rows:
                 if row.req.constrained:
                     verified_drafts.append(row.tokens[len(row.tokens) - row.outputs + 1 :])
-        return await forward(rows, kind)
+        return await forward(batch)
 
-    spec._forward = spy  # type: ignore[method-assign]
+    spec.stage.forward = spy  # type: ignore[method-assign]
     got = await run(spec, workload(temperature))
 
     for (ids, text, final), (ids0, text0, final0) in zip(got, want, strict=True):
@@ -365,13 +369,13 @@ async def gated_run(verify_s: float, decode_s: float) -> tuple[Engine, list[Any]
     want = await run(plain, workload(0.0))
     spec, spec_model = make_engine(overlap=True, limit=30, speculative=token_drafts(4, gate=True))
     spec_model.rule = periodic
-    forward = spec._forward
+    forward = spec.stage.forward
 
-    async def costed(rows: list[Any], kind: str) -> torch.Tensor:
-        await asyncio.sleep(verify_s if kind == "verify" else decode_s)
-        return await forward(rows, kind)
+    async def costed(batch: ForwardBatch) -> Logits:
+        await asyncio.sleep(verify_s if batch.kind == "verify" else decode_s)
+        return await forward(batch)
 
-    spec._forward = costed  # type: ignore[method-assign]
+    spec.stage.forward = costed  # type: ignore[method-assign]
     got = await run(spec, workload(0.0))
     for (ids, text, _), (ids0, text0, _) in zip(got, want, strict=True):
         assert ids == ids0 and text == text0
@@ -385,7 +389,8 @@ async def test_the_gate_declines_drafts_whose_pass_costs_more_than_they_gain() -
     stats = spec.metrics.stats
     assert stats.draft_declined > stats.draft_kept > 0
     assert stats.draft_declined + stats.draft_kept <= stats.draft_proposed
-    assert spec.gate is not None and spec.gate.plain and spec.gate.speculative
+    gate = spec.speculator.gate if spec.speculator is not None else None
+    assert gate is not None and gate.plain and gate.speculative
 
 
 async def test_the_gate_verifies_drafts_that_pay_for_their_pass() -> None:
@@ -415,16 +420,17 @@ async def test_drafts_stay_within_the_pass_token_budget() -> None:
     )
     spec_model.rule = periodic
     passes: list[tuple[int, int]] = []  # (pending + forced tokens, draft tokens) per verify pass
-    forward = spec._forward
+    forward = spec.stage.forward
 
-    async def spy(rows: list[Any], kind: str) -> torch.Tensor:
+    async def spy(batch: ForwardBatch) -> Logits:
+        rows, kind = batch.rows, batch.kind
         if kind == "verify":
             drafts = sum(row.outputs - 1 for row in rows)
             own = sum(row.own_drafts for row in rows)
             passes.append((sum(len(row.tokens) for row in rows) - drafts, own))
-        return await forward(rows, kind)
+        return await forward(batch)
 
-    spec._forward = spy  # type: ignore[method-assign]
+    spec.stage.forward = spy  # type: ignore[method-assign]
     got = await run(spec, workload(0.0))
 
     assert [g[0] for g in got] == [w[0] for w in want]
@@ -446,16 +452,17 @@ async def test_forced_drafts_are_verified_like_drafts() -> None:
     spec, spec_model = make_engine(overlap=False, limit=30, speculative=token_drafts(4))
     spec_model.rule = periodic
     rows: list[tuple[bool, list[int], int]] = []
-    forward = spec._forward
+    forward = spec.stage.forward
 
-    async def spy(pass_rows: list[Any], kind: str) -> torch.Tensor:
+    async def spy(batch: ForwardBatch) -> Logits:
+        pass_rows, kind = batch.rows, batch.kind
         if kind == "verify":
             rows.extend(
                 (r.outputs > 1 and not r.own_drafts, r.tokens, r.outputs) for r in pass_rows
             )
-        return await forward(pass_rows, kind)
+        return await forward(batch)
 
-    spec._forward = spy  # type: ignore[method-assign]
+    spec.stage.forward = spy  # type: ignore[method-assign]
     reqs = workload(0.0)
     reqs[2].speculate = False
     got = await run(spec, reqs)
@@ -505,10 +512,11 @@ def test_a_copy_that_closes_a_string_is_not_cut_by_the_pass_budget() -> None:
         if r.constrained:
             r.grammar = object()  # type: ignore[assignment]
 
-    drafts = engine._plan_drafts(reqs)
+    assert engine.speculator is not None
+    drafts = engine.speculator.plan(reqs)
     assert drafts == {reqs[0]: plain[:2], reqs[1]: closes}
 
-    rows = engine._verification_rows(reqs, {reqs[0]: plain, reqs[1]: closes}, {})
+    rows = engine.speculator.rows(reqs, {reqs[0]: plain, reqs[1]: closes}, {})
     assert [row.tokens[1:] for row in rows] == [plain[:2], closes, [], []]
 
 
@@ -522,7 +530,7 @@ async def test_forced_draft_positions_get_no_logits_and_keep_their_drafts() -> N
     r = make_request(0, constrained=False, max_tokens=30)
     r.slot = 0
     own, jump, tail = [NORMAL[1], NORMAL[2]], [NORMAL[3], NORMAL[4], NORMAL[5]], [NORMAL[6]]
-    row = _Row(r, [NORMAL[0], *own, *jump, *tail], len(r.prompt), 7, own_drafts=2, jump=(2, 3))
+    row = Row(r, [NORMAL[0], *own, *jump, *tail], len(r.prompt), 7, own_drafts=2, jump=(2, 3))
     passes: list[Pass] = []
     forward = engine.device.forward
 
@@ -532,7 +540,7 @@ async def test_forced_draft_positions_get_no_logits_and_keep_their_drafts() -> N
 
     engine.device.forward = spy  # type: ignore[method-assign]
     try:
-        logits = await engine._forward([row], "verify")
+        logits = await engine.stage.forward(ForwardBatch([row], "verify"))
     finally:
         await engine.stop()
     (p,) = passes
@@ -540,15 +548,18 @@ async def test_forced_draft_positions_get_no_logits_and_keep_their_drafts() -> N
     assert row.positions() == [(r, 0, 0), (r, 1, 1), (r, 5, 2), (r, 6, 3)]
 
     # The sampler agrees with the own drafts and the tail's draft, and draws NORMAL[9] after it.
-    engine._commit([row], Sampled(tokens=[NORMAL[1], NORMAL[2], NORMAL[6], NORMAL[9]], logprobs=[]))
+    assert engine.speculator is not None
+    engine.speculator.commit(
+        [row], Sampled(tokens=[NORMAL[1], NORMAL[2], NORMAL[6], NORMAL[9]], logprobs=[])
+    )
     assert r.output == [*own, *jump, *tail, NORMAL[9]]
     assert r.accepted_drafts == 6 and r.draft_tokens == 6
 
     # A draw that rejects the tail's draft replaces it; the forced tokens before it stay.
     r2 = make_request(1, constrained=False, max_tokens=30)
     r2.slot = 1
-    row2 = _Row(r2, [NORMAL[0], *own, *jump, *tail], len(r2.prompt), 7, own_drafts=2, jump=(2, 3))
-    engine._commit(
+    row2 = Row(r2, [NORMAL[0], *own, *jump, *tail], len(r2.prompt), 7, own_drafts=2, jump=(2, 3))
+    engine.speculator.commit(
         [row2], Sampled(tokens=[NORMAL[1], NORMAL[2], NORMAL[8], NORMAL[9]], logprobs=[])
     )
     assert r2.output == [*own, *jump, NORMAL[8]]
@@ -596,16 +607,17 @@ async def test_a_draft_that_crosses_eos_ends_the_request_there(bucketed: bool) -
     spec, spec_model = make_engine(overlap=True, bucketed=bucketed, speculative=token_drafts(4))
     spec_model.rule = ends_with_eos
     crossing: list[list[int]] = []
-    forward = spec._forward
+    forward = spec.stage.forward
 
-    async def spy(rows: list[Any], kind: str) -> torch.Tensor:
+    async def spy(batch: ForwardBatch) -> Logits:
+        rows, kind = batch.rows, batch.kind
         if kind == "verify":
             crossing.extend(
                 d for row in rows if EOS in (d := row.tokens[len(row.tokens) - row.outputs + 1 :])
             )
-        return await forward(rows, kind)
+        return await forward(batch)
 
-    spec._forward = spy  # type: ignore[method-assign]
+    spec.stage.forward = spy  # type: ignore[method-assign]
     got = await run(spec, workload())
     assert crossing, "no draft ran through EOS"
     for (ids, text, final), (ids0, text0, final0) in zip(got, want, strict=True):

@@ -12,6 +12,7 @@ import torch
 from neuron_worker.backends import Backend, create_backend
 from neuron_worker.engine import EngineConfig
 from neuron_worker.sampler import Sampler
+from neuron_worker.sampling_rows import PAD_ROW, SamplingRows
 from neuron_worker.step_device import SampleBatch, StepDevice
 from tests.unit.worker.test_engine import TOK, FakeModel, V
 
@@ -43,10 +44,8 @@ def greedy(dev: StepDevice, ban: list[bool]) -> list[int]:
     n = len(ban)
     logits = torch.zeros(n, V + 64)
     logits[:, EOS], logits[:, OTHER] = 10.0, 5.0
-    params = {"temperature": [0.0] * n, "top_p": [1.0] * n, "top_k": [0] * n}
-    params |= {"seed": [0] * n, "offset": [0] * n}
     compact = np.empty((n, TOK.words_per_row), dtype=np.int32)
-    batch = SampleBatch(compact, np.full(n, n), np.array(ban), params)
+    batch = SampleBatch(compact, np.full(n, n), np.array(ban), SamplingRows([PAD_ROW] * n))
     return dev.sample(dev._hold(logits), batch).tokens
 
 
@@ -107,12 +106,10 @@ def test_logprobs_get_two_tensors_on_a_step_without_a_ban_or_penalty() -> None:
     n = 2
     with torch.inference_mode():
         logits = torch.zeros(n, V + 64)
-    params = {"temperature": [0.0] * n, "top_p": [1.0] * n, "top_k": [0] * n}
-    params |= {"seed": [0] * n, "offset": [0] * n}
     compact = np.empty((n, TOK.words_per_row), dtype=np.int32)
-    extras = dev._warmup_extras(n)
-    extras.any_penalty = False
-    batch = SampleBatch(compact, np.full(n, n), np.zeros(n, dtype=bool), params, extras)
+    rows = dev._warmup_rows(n)
+    rows.any_penalty = False
+    batch = SampleBatch(compact, np.full(n, n), np.zeros(n, dtype=bool), rows)
     out = dev.sample(dev._hold(logits), batch)
     assert len(out.logprobs) == n
     assert sampler.aliased == [False] and all(sampler.inference)
