@@ -37,13 +37,14 @@ class Drafter:
     def __init__(self, backend: Backend, tok: Tokenizer) -> None:
         self.backend = backend
         self.tok = tok
+        self.vocab = tok.vocab_size
 
     def _tokens(self, data: bytes) -> list[int]:
         return self.backend.tokenize_bytes(self.tok, data)
 
     def _in_range(self, drafts: Sequence[int]) -> int:
         """How many leading drafts are token ids of the vocabulary."""
-        vocab = self.tok.vocab_size
+        vocab = self.vocab
         return next((j for j, t in enumerate(drafts) if not 0 <= t < vocab), len(drafts))
 
     def unconstrained(self, gate: ReasoningGate, drafts: list[int]) -> int:

@@ -106,6 +106,8 @@ class StepWork:
         self.requests = requests
         self.drafter = drafter
         self.tok = drafter.tok
+        self.vocab = drafter.vocab
+        self.max_drafts = runtime.limits.max_drafts_per_row
         self.buffer = buffer
         self.audit = audit
         self.msg = msg
@@ -151,7 +153,7 @@ class StepWork:
             row.end(DESYNC)
             row.expected = want
             return None
-        vocab = self.tok.vocab_size
+        vocab = self.vocab
         if new and (min(new) < 0 or max(new) >= vocab):
             bad = next(t for t in new if not 0 <= t < vocab)
             req.kill(f"token {bad} is out of range [0, {vocab})", "TOKEN_OUT_OF_RANGE")
@@ -159,11 +161,12 @@ class StepWork:
             return None
         req.position = want
         row.req = req
-        max_drafts = self.limits.max_drafts_per_row
-        if pb.draft_tokens:
-            row.drafts = list(pb.draft_tokens[:max_drafts])
-        if pb.forced_draft_room:
-            row.room = min(pb.forced_draft_room, max_drafts)
+        drafts = pb.draft_tokens
+        if drafts:
+            row.drafts = list(drafts[: self.max_drafts])
+        room = pb.forced_draft_room
+        if room:
+            row.room = min(room, self.max_drafts)
         return req
 
     def _feed(self, row: Row, req: Request, new: list[int]) -> None:
@@ -399,7 +402,7 @@ class StepWork:
     def _masks(self, out: grammar_pb2.StepResult) -> None:
         n, buf = self.n_masks, self.buffer
         if n and self.msg.compact_masks and n >= self.limits.compact_min_rows:
-            c = encode_rows(buf.rows(n), self.tok.vocab_size)
+            c = encode_rows(buf.rows(n), self.vocab)
             out.bitmask = c.dense
             out.mask_row_encodings.extend(c.encodings.tolist())
             out.mask_row_word_counts.extend(c.counts.tolist())
@@ -409,7 +412,7 @@ class StepWork:
         elif n:
             out.bitmask = buf.tobytes(n)
         out.words_per_row = buf.words_per_row
-        out.vocab_size = self.tok.vocab_size
+        out.vocab_size = self.vocab
 
     def _answered(self, out: grammar_pb2.StepResult, row: Row, req: Request) -> None:
         g = req.grammar
