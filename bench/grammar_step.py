@@ -7,7 +7,7 @@ for its next mask. Measured in the same run:
 * `inprocess`: the service's own llguidance calls (`LlgBackend`: batched consume, mask fill into
   a preallocated buffer with the same executor threads and small-batch shortcuts) and nothing
   else: the floor any wrapper pays.
-* `dense` / `compact`: the worker's own stream client (`neuron_worker.grammar_client.Replica`)
+* `dense` / `compact`: the worker's own stream client (`neuron_worker.grammar_replica.Replica`)
   in this process, the service in its own process: one Step round trip as a worker does it
   (build the Step, serialize, loopback transport, service Python, mask fill, answer, parse,
   `maskwire.bitmask.step_masks` into a reused buffer), with
@@ -51,7 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import grammar_service.session as session_module  # noqa: E402
+import grammar_service.step as step_module  # noqa: E402
 from grammar_service.backend import LlgBackend, LlgRequest  # noqa: E402
 from grammar_service.compile_cache import CompileCache  # noqa: E402
 from grammar_service.compile_pool import Compiler  # noqa: E402
@@ -63,7 +63,7 @@ from maskwire.bitmask import encode_rows, step_masks  # noqa: E402
 from maskwire.rpc import channel_options  # noqa: E402
 from maskwire.tokenizer import Tokenizer, load_tokenizer, tekken_path  # noqa: E402
 from maskwire.v1 import common_pb2, grammar_pb2  # noqa: E402
-from neuron_worker.grammar_client import Replica  # noqa: E402
+from neuron_worker.grammar_replica import Replica  # noqa: E402
 from tests.support.processes import ServiceProcess, free_port  # noqa: E402
 
 TESTDATA = ROOT / "tests" / "fixtures" / "third_party" / "maskbench"
@@ -213,7 +213,7 @@ class TimedBackend(LlgBackend):
 
 
 class TimedEncode:
-    """Stands in for `session.encode_rows` and adds up its time."""
+    """Stands in for `step.encode_rows` and adds up its time."""
 
     spent = 0.0
 
@@ -230,7 +230,7 @@ async def bench_session_pure(
 ) -> dict[str, Any]:
     backend = TimedBackend()
     encode = TimedEncode()
-    session_module.encode_rows = encode  # type: ignore[attr-defined]
+    step_module.encode_rows = encode  # type: ignore[assignment]
     rt = Runtime(
         tokenizers=[tok],
         compiler=Compiler(limits=ParserLimits()),
@@ -277,7 +277,7 @@ async def bench_session_pure(
             ser.append(t3 - t2)
             parse.append(t4 - t3)
             dec.append(t5 - t4)
-    session_module.encode_rows = encode_rows  # type: ignore[attr-defined]
+    step_module.encode_rows = encode_rows
     python = [t - a - b for t, a, b in zip(times, llg, enc, strict=True)]
     return {
         "session_step": times,
@@ -330,7 +330,7 @@ async def bench_service(
     compact: bool = False,
 ) -> dict[str, Any]:
     """The worker's path: build the Step, one round trip through the worker's own stream client
-    (`neuron_worker.grammar_client.Replica`: a reader task always waiting for the next answer),
+    (`neuron_worker.grammar_replica.Replica`: a reader task always waiting for the next answer),
     mask rows into a reused buffer."""
     fp = tok.fingerprint.to_proto()
     replica = Replica(address)

@@ -1,8 +1,9 @@
 """The narrow interface between the session protocol and a grammar engine; llguidance implements it.
 
-A `Backend` turns a compiled grammar into per-request `RequestGrammar`s and does the batched work
-of a step (consume one token for many requests, fill many mask rows). A `RequestGrammar` is one
-request's parser state. Errors are state (`error()`), never exceptions, as in llguidance.
+A `Backend` turns a compiled grammar into per-request `RequestGrammar`s, does the batched work
+of a step (consume one token for many requests, fill many mask rows) and splits text into the
+tokens the model would write (for drafts of forced text). A `RequestGrammar` is one request's
+parser state. Errors are state (`error()`), never exceptions, as in llguidance.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import llguidance
 
 from grammar_service.compiler import CompiledGrammar, clean_error
 from maskwire.cpus import available_cpus
+from maskwire.tokenizer import Tokenizer
 
 
 class RequestGrammar(Protocol):
@@ -49,6 +51,10 @@ class Backend(Protocol):
         """Write mask rows at `buffer_ptr + slot * one_mask_bytes`. For `draft_rows`, the
         request's main row goes at `slot` and the row after each draft `i` at `slot + 1 + i`
         (every draft must be accepted). The buffer holds `n_slots` rows."""
+        ...
+
+    def tokenize_bytes(self, tokenizer: Tokenizer, data: bytes) -> list[int]:
+        """`data` as `tokenizer` splits it: the tokens the model would write for it."""
         ...
 
 
@@ -146,3 +152,6 @@ class LlgBackend:
                 one_mask_bytes,
                 n_slots,
             )
+
+    def tokenize_bytes(self, tokenizer: Tokenizer, data: bytes) -> list[int]:
+        return list(tokenizer.ll.tokenize_bytes(data))
