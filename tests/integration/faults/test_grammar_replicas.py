@@ -1,8 +1,9 @@
-"""A grammar replica stalls under a live worker (deadline): only its requests fail.
+"""Two grammar replicas under one live worker. One stalls (SIGSTOP past the worker's deadline):
+only its requests fail. Then one is SIGKILLed mid-generation (its requests continue on the other
+replica by replay, every output valid) and restarted on the same port: the worker uses it again.
 
-The replica-killed case (its requests continue on the other replica by replay) is
-`tests/integration/faults/test_grammar_replica_restart.py`, which kills the replica that holds
-requests and reads a log of its own."""
+One stack for both (a worker start costs a model load): the stall leaves both replicas serving,
+the kill leaves the stack without them, so the tests run in this file's order."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from tests.integration.faults.support import (
 )
 from tests.integration.worker.conftest import channel, generate
 from tests.support.processes import ServiceProcess, running
+
+GS_ARGS = ["--tokenizer", "default"]
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +67,28 @@ async def test_stalled_replica_fails_its_requests_only(
         if r not in errors:
             assert_valid(r)
     assert unconstrained.final.finish_reason == worker_pb2.FINISH_REASON_LENGTH
+
+
+async def test_killed_replica_then_restarted_on_the_same_port(
+    worker: ServiceProcess, replicas: list[ServiceProcess]
+) -> None:
+    async with channel(worker.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        tasks = start_constrained(stub, 4)
+        await first_tokens(tasks)
+        a, b = busiest_first(replicas)
+        logged = len(worker.log_text())  # the stall above must not count as the replay here
+        a.kill(signal.SIGKILL)
+        for r in await asyncio.gather(*tasks):
+            assert_valid(r)  # nothing lost: A's requests were replayed on B
+        assert "re-opened" in worker.log_text()[logged:]
+
+        # A comes back on the same address; then B dies: only A can serve now.
+        restarted = ServiceProcess("grammar-service", GS_ARGS, a.port)
+        try:
+            restarted.wait_ready()
+            b.kill(signal.SIGKILL)
+            for r in await asyncio.gather(*start_constrained(stub, 2)):
+                assert_valid(r)
+        finally:
+            assert restarted.stop() == 0
