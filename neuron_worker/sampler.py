@@ -7,10 +7,15 @@ temperature / top-k / top-p sampling with per-row parameters. :class:`Sampler` c
 (graph kind, batch bucket) with ``torch.compile(fullgraph=True)``; the XLA backend traces the same
 function.
 
-Randomness is counter-based: each row draws one uniform number from a hash of
-``(seed, offset)`` and samples by inverse CDF, so a request's tokens depend only on its own
-logits, mask, parameters, seed and offset, never on the other rows of the batch, and no
-``torch.Generator`` lives inside the graph.
+Randomness is counter-based: every random number is a hash of the row's ``(seed, offset)``, a
+stream and a column or block id (:func:`keyed_uniform`), so a request's tokens depend only on its
+own logits, mask, parameters, seed and offset, never on the other rows of the batch, and no
+``torch.Generator`` lives inside the graph. The draw is the one the tensor-parallel sampler
+(:mod:`neuron_worker.parallel.sampling`) makes over a vocabulary split across ranks, so the
+same seed picks the same token at any TP size whenever the logits are the same: Gumbel-max over
+blocks of :data:`WORD` columns (the unit the vocabulary is split on) and inverse CDF inside the
+winning block (:func:`block_draw`); with top-k / top-p, Gumbel-max with per-column noise over
+the tokens kept.
 
 A row whose mask allows no token (or whose allowed logits are all NaN / ``-inf``) yields
 :data:`NO_TOKEN` (``-1``) instead of a disallowed id; the engine must treat it as a grammar error
@@ -41,14 +46,18 @@ from neuron_worker.masks import (
 from neuron_worker.penalties import PenaltyTensors, apply_penalties
 
 __all__ = [
+    "COLUMN_STREAM",
     "NO_TOKEN",
     "TOP_WIDTH",
+    "WORD",
     "Logprobs",
     "Mode",
     "Sampler",
     "SamplingTensors",
+    "block_draw",
+    "gumbel",
+    "keyed_uniform",
     "mask_dest_index",
-    "row_uniform",
     "sample_tokens",
     "scatter_mask_rows",
     "unpack_mask",
@@ -67,6 +76,14 @@ sort per row for top-k/top-p). Chosen per step on the host from :class:`Sampling
 MODES: tuple[Mode, ...] = ("greedy", "sample", "filter")
 
 _M32 = 0xFFFFFFFF
+
+WORD = 32
+"""Columns per block of :func:`block_draw`: one packed-mask word, the unit tensor-parallel
+vocabulary slices are cut on, so a block never straddles two ranks."""
+
+# Independent random streams of one (seed, offset): the race between blocks, the draw inside the
+# winning block, the per-column race of top-k / top-p.
+BLOCK_STREAM, INNER_STREAM, COLUMN_STREAM = 1, 2, 3
 
 
 @dataclass
@@ -144,16 +161,68 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def row_uniform(seed: Tensor, offset: Tensor) -> Tensor:
-    """One uniform float32 in (0, 1) per row from int64 ``(seed, offset)``: a pure hash, so the
-    stream of a request depends only on its own seed and counter."""
+def _row_key(seed: Tensor, offset: Tensor) -> Tensor:
+    """A 32-bit hash (in int64) of int64 ``(seed, offset)``, per element."""
     x = _mix32((offset & _M32) ^ 0x9E3779B9)
     x = _mix32(x ^ ((offset >> 32) & _M32))
     # seed may be negative: `>>` is wrong for negative ints on torch_xla 2.9 (see unpack_mask).
     x = _mix32(x ^ (torch.bitwise_right_shift(seed, 32) & _M32))
-    x = _mix32(x ^ (seed & _M32))
+    return _mix32(x ^ (seed & _M32))
+
+
+def keyed_uniform(seed: Tensor, offset: Tensor, ids: Tensor, stream: int) -> Tensor:
+    """Uniforms in (0, 1), float32 ``[N, L]``: a hash of each row's int64 ``(seed, offset)``
+    (``[N]``), the ``stream`` and the ids (``[L]``, the same for every row, or ``[N, L]``; below
+    2^32). A pure function of its arguments, so any subset of the ids can be drawn on its own (a
+    tensor-parallel rank draws its slice's) and a request's draws never depend on other rows."""
+    k1 = _mix32(_row_key(seed, offset) ^ stream).unsqueeze(1)
+    k2 = _mix32(k1 ^ 0x85EBCA6B)
+    ids = ids.to(torch.int64)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    # Two rounds, each keyed: rows whose first keys differ by d do not share noise at ids c, c^d.
+    x = _mix32(_mix32((ids & _M32) ^ k1) ^ k2)
     # 23 bits + 0.5 is exact in float32 and never 0 or 1.
     return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def gumbel(seed: Tensor, offset: Tensor, ids: Tensor, stream: int) -> Tensor:
+    """Gumbel noise ``-log(-log(u))`` for :func:`keyed_uniform`'s ``u``, float32 ``[N, L]``."""
+    return -torch.log(-torch.log(keyed_uniform(seed, offset, ids, stream)))
+
+
+def block_draw(
+    scaled: Tensor, seed: Tensor, offset: Tensor, first_block: int
+) -> tuple[Tensor, Tensor]:
+    """A draw from ``softmax(scaled)`` per row, as ``(score, column)``, both ``[N]``.
+
+    ``scaled``: float32 ``[N, L]`` (logits / temperature, ``-inf`` where a column may not be
+    drawn) holding the blocks ``first_block, first_block + 1, ...`` of :data:`WORD` columns (the
+    last may be short). The block wins a Gumbel-max race over the blocks' log masses, with noise
+    keyed by the global block id; the column inside it is drawn by inverse CDF. So for a row cut
+    into slices on block boundaries, the slice with the best score holds the draw over the whole
+    row, whatever the cut: a tensor-parallel rank draws over its slice, and the best score
+    across ranks wins. One pass over the row (block masses), then work on one block only.
+    ``score`` is ``-inf`` when nothing can be drawn (``column`` is then meaningless).
+    """
+    n, width = scaled.shape
+    blocks = -(-width // WORD)
+    xb = torch.nn.functional.pad(scaled, (0, blocks * WORD - width), value=float("-inf"))
+    xb = xb.view(n, blocks, WORD)
+    top = xb.amax(dim=-1, keepdim=True)
+    top = torch.where(top > float("-inf"), top, 0.0)  # an empty block has mass 0, not NaN
+    mass = torch.exp(xb - top).sum(dim=-1)
+    ids = torch.arange(blocks, device=scaled.device) + first_block
+    race = top.squeeze(2) + torch.log(mass) + gumbel(seed, offset, ids, BLOCK_STREAM)
+    block = race.argmax(dim=-1, keepdim=True)
+    score = race.gather(1, block).squeeze(1)
+    inner = xb.gather(1, block.unsqueeze(2).expand(n, 1, WORD)).squeeze(1)
+    cdf = torch.exp(inner - top.squeeze(2).gather(1, block)).cumsum(dim=-1)
+    u = keyed_uniform(seed, offset, block + first_block, INNER_STREAM)
+    # Zero-weight (masked) columns are never drawn: their cdf equals their left neighbour's,
+    # and 0 < u * total <= total.
+    j = (cdf < u * cdf[:, -1:]).sum(dim=-1, keepdim=True).clamp(max=WORD - 1)
+    return score, (block * WORD + j).squeeze(1)
 
 
 def sample_tokens(
@@ -207,37 +276,31 @@ def _sample_random(
     offset: Tensor,
     mode: Mode,
 ) -> Tensor:
-    """Inverse-CDF sampling from softmax(x / T) (after top-k / top-p in ``"filter"`` mode)."""
-    width = x.shape[1]
+    """A draw from softmax(x / T) (after top-k / top-p in ``"filter"`` mode)."""
     t = torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
-    peak = x.max(dim=-1, keepdim=True).values
-    u = row_uniform(seed, offset).unsqueeze(1)
-    plain = _inverse_cdf_columns(x, peak, t, u)
+    _, plain = block_draw(x / t, seed, offset, 0)
     if mode == "sample":
         return plain
 
-    # Rows without top-k / top-p keep the unsorted draw, so a row's token never depends on
-    # whether another row of the batch made this step take the sorting graph.
-    weights = torch.exp((x - peak) / t)  # unnormalised; masked columns are exactly 0
-    sorted_w, order = weights.sort(dim=-1, descending=True)
+    # Rows without top-k / top-p keep the block draw, so a row's token never depends on
+    # whether another row of the batch made this step take the sorting graph. Ties sort by
+    # column id, as the tensor-parallel sampler's candidates do.
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+    sorted_w = torch.exp((sorted_x - sorted_x[:, :1]) / t)  # unnormalised; masked columns: 0
     sorted_cdf = sorted_w.cumsum(dim=-1)
     total = sorted_cdf[:, -1:]
-    pos = torch.arange(width, device=x.device).unsqueeze(0)
-    k = torch.where(top_k > 0, top_k, width).unsqueeze(1)
+    pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, x.shape[1]).unsqueeze(1)
     # Top-p keeps the smallest prefix whose mass reaches p: a column stays while the mass before
     # it is below p. The best column always stays.
     keep = (pos < k) & ((sorted_cdf - sorted_w) < top_p.unsqueeze(1) * total) | (pos == 0)
-    # The kept columns are a prefix of the sorted row (both conditions only ever turn false
-    # further right), so their CDF is `sorted_cdf`'s first `n` entries: no second scan. (A second
-    # cumsum over the masked row crashed torch 2.11's Triton code generation on CUDA.)
-    n = keep.sum(dim=-1, keepdim=True)
-    kept_total = sorted_cdf.gather(1, n - 1)
-    j = torch.minimum((sorted_cdf < u * kept_total).sum(dim=-1, keepdim=True), n - 1)
+    # Gumbel-max among the kept columns, with noise keyed by the column id: the tensor-parallel
+    # sampler races the same columns with the same noise.
+    z = sorted_x / t + gumbel(seed, offset, order, COLUMN_STREAM)
+    j = torch.where(keep, z, float("-inf")).argmax(dim=-1, keepdim=True)
     filtered = order.gather(1, j).squeeze(1)
     return torch.where((top_k > 0) | (top_p < 1), filtered, plain)
 
-
-_BLOCK = 1024
 
 # Inductor inlines a pointwise producer into each of its readers and stores it in a buffer only
 # once its body exceeds this many ops (50 on CPU by default). Every xorshift in `_mix32` reads its
@@ -245,33 +308,6 @@ _BLOCK = 1024
 # 3 and 4 rounds of `_mix32` compiled in 1.1, 1.6, 5.8 and 18.8 s. At 16 the six sampling graphs
 # compile in 26 s instead of 75 s (cold, 2-core host) and run as fast.
 _REALIZE_OPCOUNT = 16
-
-
-def _inverse_cdf_columns(x: Tensor, peak: Tensor, t: Tensor, u: Tensor) -> Tensor:
-    """First column whose cumulative weight ``exp((x - peak) / t)`` reaches ``u`` of the total.
-
-    Two levels instead of one cumsum over the whole row: block sums (one fused pass over the
-    logits, nothing row-sized is stored), pick the block, then a cumsum inside that block only.
-    A full-width cumsum materialises two [N, V] float tensors per step, which cost 10-30x the
-    argmax on CPU. Zero-weight (masked) columns are never returned for a row with any weight:
-    the target within the chosen block is clamped to (0, block mass].
-    """
-    n, width = x.shape
-    blocks = -(-width // _BLOCK)
-    xb = torch.nn.functional.pad(x, (0, blocks * _BLOCK - width), value=float("-inf"))
-    xb = xb.view(n, blocks, _BLOCK)
-    block_sum = torch.exp((xb - peak.unsqueeze(2)) / t.unsqueeze(2)).sum(dim=-1)
-    block_cdf = block_sum.cumsum(dim=-1)
-    target = u * block_cdf[:, -1:]
-    b = (block_cdf < target).sum(dim=-1, keepdim=True).clamp(max=blocks - 1)
-    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), 0.0)
-    # Share of the chosen block's own mass still to cover: > 0 because the mass before the
-    # block is below the target; at most 1 up to rounding.
-    share = ((target - before) / block_sum.gather(1, b)).clamp(min=1e-30, max=1.0)
-    inner = xb.gather(1, b.unsqueeze(2).expand(n, 1, _BLOCK)).squeeze(1)
-    inner_cdf = torch.exp((inner - peak) / t).cumsum(dim=-1)
-    j = (inner_cdf < share * inner_cdf[:, -1:]).sum(dim=-1, keepdim=True).clamp(max=_BLOCK - 1)
-    return (b * _BLOCK + j).squeeze(1).clamp(max=width - 1)
 
 
 SampleFn = Callable[..., Tensor]

@@ -4,23 +4,24 @@ Each rank holds the logits of its :class:`~neuron_worker.parallel.vocab.VocabSha
 of the packed grammar mask. A step is two pure, static-shape halves around one ``all_gather``:
 
 1. :func:`local_candidates` (per rank): unpack and apply the rank's mask words, then per row
-   the masked maximum and its global id (greedy), the Gumbel-max winner (temperature sampling),
-   and in ``"filter"`` mode the rank's top ``candidates`` logits with their ids plus the log of the
-   rank's softmax mass (top-k / top-p). Packed into one float64 ``[B, C]`` tensor.
+   the masked maximum and its global id (greedy), the rank's best score and column of
+   :func:`~neuron_worker.sampler.block_draw` (temperature sampling), and in ``"filter"`` mode the
+   rank's top ``candidates`` logits with their ids plus the log of the rank's softmax mass
+   (top-k / top-p). Packed into one float64 ``[B, C]`` tensor.
 2. ``group.all_gather`` of those ``[B, C]`` tensors: ``world * B * C * 8`` bytes, with
    ``C = 2`` (greedy), ``4`` (sampling) or ``5 + 2 * candidates`` (top-k / top-p), never
    ``O(B * vocab)``.
 3. :func:`combine` (identical on every rank): the best rank's pair per row; for top-k / top-p, the
    global top of the gathered candidates, filtered, and Gumbel-max among those kept.
 
-Random draws are Gumbel-max with counter-based noise: column ``v`` of a request gets
-``-log(-log(u))`` with ``u`` a hash of ``(seed, offset, v)`` (:func:`column_uniform`), so a
-rank computes noise for its own columns only and TP = 1 and TP = N pick the same token for the
-same seed. (This is a different draw from :func:`neuron_worker.sampler.sample_tokens`'s inverse
-CDF: same distribution, different token for a given seed.) Top-k and top-p act on the best
-``candidates`` tokens of the full row: ``top_k`` is capped there, and a nucleus wider than that
-is cut at it. Masked columns, columns past the tokenizer's vocabulary and NaN logits are ``-inf``
-and never win, so an all-masked shard never wins; a row with nothing allowed on any rank gives
+The draws are the single-device sampler's (:func:`neuron_worker.sampler.sample_tokens`): its
+random numbers are hashes of ``(seed, offset)`` and a global block or column id
+(:func:`~neuron_worker.sampler.keyed_uniform`), so a rank draws those of its own columns only,
+and the same seed picks the same token at any TP size whenever the logits are the same. Top-k and
+top-p act on the best ``candidates`` tokens of the full row: ``top_k`` is capped there, and a
+nucleus wider than that is cut at it (the single-device sampler keeps it whole). Masked columns,
+columns past the tokenizer's vocabulary and NaN logits are ``-inf`` and never win, so an
+all-masked shard never wins; a row with nothing allowed on any rank gives
 :data:`~neuron_worker.sampler.NO_TOKEN`.
 """
 
@@ -34,33 +35,23 @@ from torch import Tensor
 from neuron_worker.masks import unpack_mask
 from neuron_worker.parallel.group import Collectives
 from neuron_worker.parallel.vocab import VocabShard
-from neuron_worker.sampler import NO_TOKEN, Mode, SamplingTensors, row_uniform
+from neuron_worker.sampler import (
+    COLUMN_STREAM,
+    NO_TOKEN,
+    Mode,
+    SamplingTensors,
+    block_draw,
+    gumbel,
+)
 
 __all__ = [
     "ShardedSampler",
-    "column_uniform",
     "combine",
     "local_candidates",
     "sample_sharded",
 ]
 
-_M32 = 0xFFFFFFFF
 _NEG_INF = float("-inf")
-
-
-def column_uniform(seed: Tensor, offset: Tensor, columns: Tensor) -> Tensor:
-    """Uniforms in (0, 1), ``[B, L]``: a hash of each row's ``(seed, offset)`` and the global
-    column id. ``columns``: ``[L]`` (the same for every row) or ``[B, L]``. The low 32 bits of
-    ``offset`` (the first 4 billion tokens of a request) and the column fill the hash counter."""
-    cols = columns.to(torch.int64)
-    if cols.dim() == 1:
-        cols = cols.unsqueeze(0)
-    counter = (cols << 32) | (offset.unsqueeze(1) & _M32)
-    return row_uniform(seed.unsqueeze(1), counter)
-
-
-def _gumbel(seed: Tensor, offset: Tensor, columns: Tensor) -> Tensor:
-    return -torch.log(-torch.log(column_uniform(seed, offset, columns)))
 
 
 @dataclass(frozen=True)
@@ -109,9 +100,8 @@ def local_candidates(
     if mode != "greedy":
         t = torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
         scaled = x / t
-        z = scaled + _gumbel(seed, offset, columns)
-        zbest, zwhere = z.max(dim=-1)
-        parts += [zbest.double(), (zwhere + shard.start).double()]
+        score, column = block_draw(scaled, seed, offset, shard.word_start)
+        parts += [score.double(), (column + shard.start).double()]
         if mode == "filter":
             k = min(candidates, width)
             values, index = x.topk(k, dim=-1)
@@ -173,8 +163,9 @@ def _filtered(
     k = candidates
     values = gathered[:, :, 5 : 5 + k].permute(1, 0, 2).reshape(b, world * k)
     ids = gathered[:, :, 5 + k :].permute(1, 0, 2).reshape(b, world * k)
-    # Stable: equal values keep rank order (lower vocabulary slices first).
-    values, order = values.sort(dim=-1, descending=True, stable=True)
+    # By value, then by id (as the single-device sampler sorts its row): both sorts stable.
+    ids, order = ids.sort(dim=-1, stable=True)
+    values, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
     values, ids = values[:, :k], ids.gather(1, order)[:, :k].long()
     t = torch.where(temperature > 0, temperature, 1.0).unsqueeze(1).double()
     total = torch.logsumexp(gathered[:, :, 4], dim=0).unsqueeze(1)  # log of the row's mass
@@ -185,7 +176,7 @@ def _filtered(
     # below p; the best one always stays.
     keep_p = (prob.cumsum(dim=-1) - prob) < top_p.unsqueeze(1).double()
     keep = ((keep_k & keep_p) | (pos == 0)) & (values > _NEG_INF)
-    z = (values.float() / t.float()) + _gumbel(seed, offset, ids)
+    z = (values.float() / t.float()) + gumbel(seed, offset, ids, COLUMN_STREAM)
     z = torch.where(keep, z.double(), _NEG_INF)
     j = z.argmax(dim=-1, keepdim=True)
     token = ids.gather(1, j).squeeze(1)

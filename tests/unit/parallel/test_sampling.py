@@ -60,6 +60,41 @@ def test_sampled_tokens_do_not_depend_on_the_world_size(
 
 
 @pytest.mark.parametrize(
+    ("temperature", "top_p", "top_k"),
+    [(1.0, 1.0, 0), (0.8, 1.0, 0), (0.7, 1.0, 5), (1.3, 0.3, 0), (1.0, 0.9, 12), (0.5, 0.5, 40)],
+)
+@pytest.mark.parametrize("masked", [False, True])
+def test_sampled_tokens_are_the_single_device_samplers(
+    temperature: float, top_p: float, top_k: int, masked: bool
+) -> None:
+    """The same seed gives the worker's unsharded sampler's token at every world size, whenever
+    the top-k / top-p set fits the candidates (here every row's does)."""
+    vocab, width = 1000, 1024  # 32 words; padded model columns past the tokenizer's vocabulary
+    logits = torch.randn(64, width, generator=torch.Generator().manual_seed(21)) * 2
+    packed = _random_mask(64, vocab, seed=22) if masked else None
+    for seed in (7, 12345, -3):
+        p = params(64, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        one = sample_tokens(
+            logits,
+            packed,
+            p.temperature,
+            p.top_p,
+            p.top_k,
+            p.seed,
+            p.offset,
+            vocab_size=vocab,
+            mode=p.mode,
+        )
+        assert (one >= 0).all() and len(set(one.tolist())) > 8
+        for world in (1, 2, 3, 5):
+            got = simulate(logits, packed, p, world=world, vocab_size=vocab, candidates=64)
+            assert torch.equal(got, one), (world, seed)
+    if top_p < 1 and top_k == 0:  # the nucleus fits the 64 candidates, so it is not cut
+        probs = torch.softmax(logits[:, :vocab] / temperature, dim=-1).sort(descending=True)[0]
+        assert ((probs.cumsum(-1) - probs < top_p).sum(-1) <= 64).all()
+
+
+@pytest.mark.parametrize(
     ("temperature", "top_p", "top_k"), [(0.0, 1.0, 0), (1.0, 1.0, 0), (2.0, 0.9, 3)]
 )
 def test_the_best_logit_masked_out_on_the_other_rank_never_wins(

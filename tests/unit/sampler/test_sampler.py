@@ -3,18 +3,20 @@ per-request random streams, and the Sampler wrapper (variants, validation)."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 
 from neuron_worker.masks import mask_dest_index, scatter_mask_rows, words_per_row
 from neuron_worker.sampler import (
+    BLOCK_STREAM,
+    COLUMN_STREAM,
+    INNER_STREAM,
     NO_TOKEN,
+    WORD,
     Sampler,
     SamplingTensors,
-    row_uniform,
+    keyed_uniform,
     sample_tokens,
 )
 
@@ -61,16 +63,25 @@ def packed_from_allowed(allowed: torch.Tensor) -> torch.Tensor:
     return words.to(torch.int32)  # wraps into int32 two's complement
 
 
+def uniforms(seed: int, offset: int, ids: np.ndarray, stream: int) -> np.ndarray:
+    """The sampler's random numbers for one row (float64)."""
+    u = keyed_uniform(torch.tensor([seed]), torch.tensor([offset]), torch.tensor(ids), stream)
+    return u[0].double().numpy()
+
+
 def reference_sample(
     logits: np.ndarray,
     allowed: np.ndarray | None,
     temperature: float,
     top_p: float,
     top_k: int,
-    u: float,
+    seed: int,
+    offset: int,
     vocab: int,
 ) -> int:
-    """Independent float64 sampler with the documented semantics."""
+    """Independent float64 sampler with the documented semantics: Gumbel-max over 32-column
+    blocks and inverse CDF inside the winner; with top-k / top-p, Gumbel-max over the kept
+    columns."""
     x = logits[:vocab].astype(np.float64)
     if allowed is not None:
         x = np.where(allowed[:vocab], x, -np.inf)
@@ -81,8 +92,17 @@ def reference_sample(
     p = np.exp((x - x.max()) / temperature)
     p /= p.sum()
     if top_k == 0 and top_p >= 1:
-        return int(np.searchsorted(np.cumsum(p), u * p.sum(), side="left"))
-    order = np.argsort(-p, kind="stable")
+        blocks = -(-vocab // WORD)
+        mass = np.array([p[b * WORD : (b + 1) * WORD].sum() for b in range(blocks)])
+        with np.errstate(divide="ignore"):
+            race = np.log(mass) - np.log(
+                -np.log(uniforms(seed, offset, np.arange(blocks), BLOCK_STREAM))
+            )
+        b = int(np.argmax(race))
+        inner = p[b * WORD : (b + 1) * WORD]
+        u = uniforms(seed, offset, np.array([b]), INNER_STREAM)[0]
+        return b * WORD + int(np.searchsorted(np.cumsum(inner), u * inner.sum(), side="left"))
+    order = np.lexsort((np.arange(vocab), -x))  # by logit, then by id
     ps = p[order]
     keep = np.ones_like(ps, dtype=bool)
     if top_k:
@@ -90,9 +110,9 @@ def reference_sample(
     before = np.cumsum(ps) - ps
     keep &= before < top_p
     keep[0] = True
-    kept = np.where(keep, ps, 0.0)
-    j = int(np.searchsorted(np.cumsum(kept), u * kept.sum(), side="left"))
-    return int(order[j])
+    gumbel = -np.log(-np.log(uniforms(seed, offset, order, COLUMN_STREAM)))
+    z = np.where(keep, x[order] / temperature + gumbel, -np.inf)
+    return int(order[int(np.argmax(z))])
 
 
 # --- masking -------------------------------------------------------------------------------
@@ -217,7 +237,6 @@ def test_matches_float64_reference(device: torch.device, masked: bool) -> None:
     s = sampler(device, vocab=vocab, logits=width, structured_outputs=masked)
     mask = packed_from_allowed(allowed).to(device) if masked else None
     out = s(logits.to(device), mask, p).cpu().tolist()
-    us = row_uniform(torch.tensor(seeds), torch.tensor(offsets)).double().tolist()
     want = [
         reference_sample(
             logits[i].numpy(),
@@ -225,7 +244,8 @@ def test_matches_float64_reference(device: torch.device, masked: bool) -> None:
             temps[i],
             top_ps[i],
             top_ks[i],
-            us[i],
+            seeds[i],
+            offsets[i],
             vocab,
         )
         for i in range(n)
@@ -287,29 +307,42 @@ def test_same_seed_and_offset_same_token_whatever_the_batch(device: torch.device
         assert s(logits.to(device), mask, p)[n - 1].item() == alone.item()
 
 
-def test_seeds_and_offsets_change_the_stream() -> None:
-    seeds = torch.arange(1000)
-    u = row_uniform(seeds, torch.zeros(1000, dtype=torch.int64))
-    assert u.unique().numel() > 990
-    assert ((u > 0) & (u < 1)).all()
-    v = row_uniform(torch.zeros(1000, dtype=torch.int64), torch.arange(1000))
-    assert v.unique().numel() > 990
-    big = row_uniform(torch.tensor([-1, 2**63 - 1, -(2**63)]), torch.tensor([0, 2**40, 5]))
+def test_seeds_offsets_ids_and_streams_change_the_numbers() -> None:
+    def u(seed: object, offset: object, ids: object, stream: int = BLOCK_STREAM) -> torch.Tensor:
+        return keyed_uniform(torch.tensor(seed), torch.tensor(offset), torch.tensor(ids), stream)
+
+    by_seed = u(list(range(1000)), [0] * 1000, [5])
+    by_offset = u([0] * 1000, list(range(1000)), [5])
+    by_id = u([0], [0], list(range(1000)))
+    assert by_seed.shape == by_offset.shape == (1000, 1) and by_id.shape == (1, 1000)
+    for x in (by_seed, by_offset, by_id):
+        assert x.unique().numel() > 990
+        assert ((x > 0) & (x < 1)).all()
+    streams = torch.cat([u([0], [0], list(range(1000)), s) for s in (1, 2, 3)])
+    assert streams.unique().numel() > 2970
+    big = u([-1, 2**63 - 1, -(2**63)], [0, 2**40, 5], [0, 2**32 - 1])
     assert ((big > 0) & (big < 1)).all()
-    # Uniformity of the hash: 20 bins, chi-square well under the 99.9% critical value (43.8).
-    counts = torch.histc(row_uniform(torch.arange(20_000), torch.full((20_000,), 9)), 20, 0, 1)
-    chi2 = ((counts - 1000) ** 2 / 1000).sum().item()
-    assert chi2 < 43.8
+    # Per-row ids ([N, L]) are the same numbers as shared ones.
+    ids = torch.arange(64)
+    rows = keyed_uniform(torch.tensor([3, 4]), torch.tensor([1, 2]), ids.expand(2, 64), 1)
+    assert torch.equal(rows, keyed_uniform(torch.tensor([3, 4]), torch.tensor([1, 2]), ids, 1))
+    # Uniform over ids and over seeds: 20 bins, chi-square under the 99.9% critical value (43.8).
+    for x in (u([9], [9], list(range(20_000))), u(list(range(20_000)), [9] * 20_000, [9])):
+        counts = torch.histc(x, 20, 0, 1)
+        chi2 = ((counts - 1000) ** 2 / 1000).sum().item()
+        assert chi2 < 43.8
 
 
 def test_empirical_distribution_matches_softmax() -> None:
-    """4,000 draws (seeds 0..3999) of a masked 6-token distribution: chi-square under the 99.9%
-    critical value for 5 degrees of freedom (20.5). Deterministic: the seeds are fixed."""
+    """4,000 draws (seeds 0..3999) of a masked 6-token distribution whose tokens lie in 4 blocks
+    of 32 columns, two of them in one block: chi-square under the 99.9% critical value for 5
+    degrees of freedom (20.5). Deterministic: the seeds are fixed."""
     n = 4000
+    tokens = [0, 5, 40, 70, 71, 200, 6, 255]  # the last two are likely but not allowed
     logits = torch.zeros(n, 256)
-    logits[:, :8] = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, 9.0, 9.0])
+    logits[:, tokens] = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, 9.0, 9.0])
     allowed = torch.zeros(n, 256, dtype=torch.bool)
-    allowed[:, :6] = True  # tokens 6 and 7 are likely but not allowed
+    allowed[:, tokens[:6]] = True
     s = Sampler(
         vocab_size=256,
         logits_size=256,
@@ -319,12 +352,11 @@ def test_empirical_distribution_matches_softmax() -> None:
         compile=False,
     )
     out = s(logits, packed_from_allowed(allowed), params(n, temperature=1.3, seed=list(range(n))))
-    counts = torch.bincount(out, minlength=8).double()
-    assert counts[6:].sum() == 0
-    probs = torch.softmax(logits[0, :6].double() / 1.3, -1)
+    counts = torch.bincount(out, minlength=256).double()[tokens]
+    assert counts[6:].sum() == 0 and counts.sum() == n
+    probs = torch.softmax(logits[0, tokens[:6]].double() / 1.3, -1)
     chi2 = ((counts[:6] - n * probs) ** 2 / (n * probs)).sum().item()
     assert chi2 < 20.5, (counts, n * probs)
-    assert math.isclose(counts.sum().item(), n)
 
 
 # --- the Sampler wrapper ----------------------------------------------------------------------
