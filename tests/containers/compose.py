@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -147,10 +148,14 @@ class ComposeStack:
         crash would end it (`podman kill` counts as a stop by the user: no restart follows)."""
         os.kill(int(self.inspect(name)["State"]["Pid"]), signal.SIGKILL)
 
-    def metric(self, name: str, metric: str) -> float:
-        """A metric of the grammar service or worker in `name`, read on its own loopback."""
+    def metric(self, name: str, metric: str, unset: float | None = None) -> float:
+        """A metric of the grammar service or worker in `name`, read on its own loopback;
+        `unset`: the value of a labelled counter that has no sample yet."""
         read = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9090/metrics', timeout=5).read().decode())"
-        return metric_in(podman("exec", name, "python", "-c", read).stdout, metric, name)
+        text = podman("exec", name, "python", "-c", read).stdout
+        if unset is not None and not re.search(rf"^{metric}[{{ ]", text, re.MULTILINE):
+            return unset
+        return metric_in(text, metric, name)
 
     def log(self, name: str) -> str:
         done = podman("logs", name, check=False)
