@@ -4,7 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test lint fmt protos check-protos install test-slow test-xla bench
+.PHONY: demo test lint fmt protos check-protos install test-slow test-xla bench images images-local \
+	test-containers
 
 install: $(VENV)/.installed
 
@@ -32,6 +33,21 @@ $(XLA_VENV)/.installed: pyproject.toml
 
 test-xla: $(XLA_VENV)/.installed
 	PJRT_DEVICE=CPU $(XLA_BIN)/pytest -q -m xla tests/xla
+
+# The three images (deploy/images.sh): on python:3.11-slim, or on a base made from Debian's
+# packages where no image registry can be reached. Unchanged layers come from the engine's cache.
+images:
+	deploy/images.sh
+
+images-local:
+	deploy/images.sh --local-base
+
+# The container suite (tests/containers): podman and its settings (deploy/podman-setup.sh), the
+# images on the local base, then the compose stack.
+test-containers: install
+	deploy/podman-setup.sh
+	deploy/images.sh --local-base
+	$(BIN)/pytest -q -m containers tests/containers
 
 demo: install
 	$(BIN)/maskwire up --demo

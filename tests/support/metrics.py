@@ -12,7 +12,11 @@ def metric(port_or_url: int | str, name: str) -> float:
     a port on 127.0.0.1, or the full URL."""
     url = f"http://127.0.0.1:{port_or_url}/metrics" if isinstance(port_or_url, int) else port_or_url
     with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
+        return metric_in(r.read().decode(), name, url)
+
+
+def metric_in(text: str, name: str, source: str) -> float:
+    """Sum of every sample of `name` in Prometheus text read from `source` (named in the error)."""
     samples = [
         s.value
         for fam in text_string_to_metric_families(text)
@@ -20,5 +24,5 @@ def metric(port_or_url: int | str, name: str) -> float:
         if s.name == name
     ]
     if not samples:
-        raise AssertionError(f"{url} has no {name}")
+        raise AssertionError(f"{source} has no {name}")
     return float(sum(samples))

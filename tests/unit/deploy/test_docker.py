@@ -73,30 +73,54 @@ def test_compose_services_build_and_run_real_commands(compose: dict[str, Any]) -
     assert gateway.worker == [f"worker:{worker.port}"]
 
 
+def test_compose_health_checks_and_compile_cache(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    for svc in services.values():
+        # A shell line (CMD-SHELL): podman-compose 1.0.3 breaks the list forms.
+        assert isinstance(svc["healthcheck"]["test"], str)
+        assert svc["read_only"] and svc["cap_drop"] == ["ALL"] and "/tmp" in svc["tmpfs"]
+    # The worker's compile cache on a named volume, at the directory its image gives uid 10001.
+    worker = services["worker"]
+    assert worker["environment"]["XDG_CACHE_HOME"] == "/var/cache/maskwire"
+    assert "compile-cache:/var/cache/maskwire" in worker["volumes"]
+    assert "compile-cache" in compose["volumes"]
+    assert "install -d -o 10001 -g 10001 /var/cache/maskwire" in re.sub(
+        r"\s+", " ", (DOCKER / "Dockerfile.worker").read_text()
+    )
+
+
 @pytest.mark.parametrize("name", sorted(SERVICES))
 def test_dockerfile(name: str) -> None:
     path = DOCKER / f"Dockerfile.{name}"
     steps = instructions(path)
+    # Two stages on one base: the build stage installs into /opt/maskwire, the final stage copies
+    # only that environment.
+    assert steps[0] == ("ARG", "BASE_IMAGE=python:3.11-slim")
     froms = [a for i, a in steps if i == "FROM"]
-    assert len(froms) == 1
-    if name != "worker":
-        assert froms[0] == "python:3.11-slim"
-    else:
-        assert froms[0] == "${BASE_IMAGE}"
-        assert ("ARG", "BASE_IMAGE=python:3.11-slim") in steps
+    assert froms == ["${BASE_IMAGE} AS build", "${BASE_IMAGE}"]
+    final = steps[max(n for n, (i, _) in enumerate(steps) if i == "FROM") :]
+    assert ("COPY", "--from=build /opt/maskwire /opt/maskwire") in final
     # Every COPY source exists in the build context (the repository root) and is not ignored.
     ignore = (DOCKER / f"Dockerfile.{name}.dockerignore").read_text().splitlines()
     allowed = {line[1:] for line in ignore if line.startswith("!")}
     for instr, rest in steps:
-        if instr == "COPY":
+        if instr == "COPY" and not rest.startswith("--from="):
             *sources, _dest = shlex.split(rest)
             for src in sources:
                 assert (ROOT / src).exists(), f"{path.name}: COPY {src}: no such path"
                 assert src in allowed, f"{path.name}: COPY {src} is excluded by its .dockerignore"
-    # torch pinned to the CPU wheel.
     runs = " ".join(a for i, a in steps if i == "RUN")
-    assert "torch==${TORCH_VERSION}" in runs and "whl/cpu" in runs
-    assert re.search(r"ARG TORCH_VERSION=\d+\.\d+\.\d+", path.read_text())
+    if name == "worker":
+        # torch pinned to the CPU wheel (local version +cpu), from the CPU index by default; a
+        # compiler in the final stage for inductor and the worker's kernels.
+        assert "torch==${TORCH_VERSION}+cpu" in runs
+        assert re.search(r"ARG TORCH_INDEX_URL=\S+/whl/cpu\n", path.read_text())
+        assert re.search(r"ARG TORCH_VERSION=\d+\.\d+\.\d+", path.read_text())
+        assert "g++" in " ".join(a for i, a in final if i == "RUN")
+    else:
+        # The grammar service and the gateway never import torch; no compiler either.
+        assert "--without torch" in runs and "torch==" not in runs
+        assert "apt-get" not in runs
     # Runs as a non-root numeric user (Kubernetes runAsNonRoot checks the number).
     users = [a for i, a in steps if i == "USER"]
     assert users and users[-1].isdigit() and users[-1] != "0"
