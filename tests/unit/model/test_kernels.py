@@ -382,7 +382,7 @@ def test_without_a_working_compiler_the_worker_falls_back_to_aten(
     assert not any((tmp_path / "fresh").iterdir())  # nothing half-written left behind
     monkeypatch.setattr(kernels, "_tried", False)
     monkeypatch.setattr(kernels, "_loaded", None)
-    monkeypatch.setattr(kernels, "_kernel_dir", tmp_path / "fresh")
+    monkeypatch.setattr(kernels, "kernel_directory", lambda: tmp_path / "fresh")
     with caplog.at_level(logging.WARNING, logger="neuron_worker.kernels"):
         assert not kernels.available()
     if "lacks" not in caplog.text:  # on a CPU without AVX2 the flags decide first
@@ -404,7 +404,7 @@ def test_a_read_only_kernel_directory_builds_in_a_temporary_one(
         return directory / "built.so"
 
     monkeypatch.setattr(kernels, "build", build)
-    monkeypatch.setattr(kernels, "_kernel_dir", tmp_path / "volume")
+    monkeypatch.setattr(kernels, "kernel_directory", lambda: tmp_path / "volume")
     with caplog.at_level(logging.WARNING, logger="neuron_worker.kernels"):
         built = kernels._build_somewhere(kernels.KERNEL_SETS[-1])
     assert tried[0] == tmp_path / "volume" and tried[1].name.startswith("maskwire-kernels-")
