@@ -17,7 +17,8 @@ time it lost and keeps it only if the same calls (equal keys: the same pass shap
 than just before; otherwise it goes back and waits before trying again. While shrunk, it tries
 the full team now and then and keeps it when that is faster. Each failed try doubles the wait
 before the next (up to `max_probe_interval_s`), so a lasting condition costs a few slow calls a
-minute.
+minute; a stall half a thread or more above the one a failed try started on is a new condition
+(a neighbour arrived) and is tried at once.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ class GovernorConfig:
     # the throughput until the next probe.
     keep_smaller_below: float = 0.5
     trial_windows: int = 3  # windows a trial may take to run calls it can compare
+    # A stall this many threads' worth above the one a declined trial started on is a new
+    # condition (a neighbour arrived), tried at once rather than after the back-off wait.
+    fresh_stall: float = 0.5
     memory_s: float = 30.0  # how long a size's measured call times count as current
 
 
@@ -147,6 +151,7 @@ class ThreadGovernor:
         self._next_trial_ns = 0  # no smaller team is tried before this (full team)
         self._next_probe_ns = 0  # the full team is tried again at this time (shrunk team)
         self._interval_ns = _ns(config.first_probe_s)
+        self._declined_stall = 0.0  # the stall a declined trial started on (none: 0)
         self.shrinks = 0
         self.probes = 0
         self.trials = 0
@@ -189,11 +194,17 @@ class ThreadGovernor:
         stall = window.stall(self.threads)
         if stall < self.config.shrink_at or self.threads == 1:
             return
-        if self.threads == self.config.full and self._clock() < self._next_trial_ns:
+        waiting = self._clock() < self._next_trial_ns
+        if self.threads == self.config.full and waiting and not self._fresh(stall):
             return
         lost = max(1, round(stall))
         self.trials += 1
         self._start_trial(max(1, self.threads - lost), stall=stall)
+
+    def _fresh(self, stall: float) -> bool:
+        """Whether `stall` is a new condition rather than the one a declined trial measured:
+        the back-off only spares the team trials that would fail again."""
+        return stall >= self._declined_stall + self.config.fresh_stall
 
     def _start_trial(self, size: int, stall: float | None = None) -> None:
         self._trial = _Trial(self.threads, size, stall)
@@ -229,6 +240,7 @@ class ThreadGovernor:
                 log.info("intra-op threads back to %d (%s)", trial.size, _compared(ratio))
                 self._interval_ns = _ns(self.config.first_probe_s)
                 self._next_trial_ns = 0
+                self._declined_stall = 0.0
             else:
                 self.shrinks += 1
                 log.info(
@@ -255,6 +267,7 @@ class ThreadGovernor:
                 "intra-op threads stay %d: %d threads: %s", trial.was, trial.size, _compared(ratio)
             )
             self._next_trial_ns = self._clock() + self._interval_ns
+            self._declined_stall = trial.stall or 0.0
 
     def _resize(self, n: int) -> None:
         if n != self.threads:

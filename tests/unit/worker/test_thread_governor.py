@@ -105,6 +105,22 @@ def test_a_stall_that_costs_less_than_a_thread_keeps_the_team() -> None:
     assert 2 <= gov.trials <= 3  # a few short trials a minute, backing off
 
 
+def test_a_neighbour_arriving_during_the_back_off_is_tried_at_once() -> None:
+    """A declined trial (the stack's own stall) makes the next one wait; a neighbour that takes a
+    core meanwhile stalls the team by a whole thread, which is a new condition: the smaller team
+    is tried and kept within a few windows, not after the wait."""
+    host = Host()
+    host.cost[2], host.cost[1] = (14.0, 6.0), (20.0, 0.0)
+    gov = host.governor(first_probe_s=30.0, max_probe_interval_s=60.0)
+    host.call(gov, 25)  # a window with the stall, a declined trial of one thread
+    assert gov.trials == 1 and gov.threads == 2 and gov.shrinks == 0
+    host.call(gov, 40)  # the same stall: no trial during the 60 s wait
+    assert gov.trials == 1
+    host.neighbour()
+    host.call(gov, 20)  # well under a second, far within the wait
+    assert gov.threads == 1 and gov.shrinks == 1 and gov.trials == 2
+
+
 def test_a_smaller_team_only_somewhat_faster_is_not_kept() -> None:
     """Two windows of a busy stack differ by tens of percent: a smaller team is kept only when it
     runs the same calls in under half the time (a core lost to a neighbour)."""
