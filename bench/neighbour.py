@@ -210,6 +210,9 @@ def one_request(server: Server, prompt: str, constrained: bool, max_tokens: int)
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
+        # Tokens are counted from the usage chunk: a streamed chunk can carry several tokens
+        # (jump-forward, accepted drafts), so counting chunks would undercount them.
+        "stream_options": {"include_usage": True},
     }
     if constrained:
         body["response_format"] = {
