@@ -146,9 +146,7 @@ async def serve(config: WorkerConfig) -> int:
         tokenizer,
         model_name=model_name,
         device=config.model.device,
-        max_prompt_tokens=config.prompts.prompt_tokens(engine_config),
-        max_prompt_bytes=config.prompts.max_prompt_bytes,
-        tokenizer_threads=config.prompts.tokenizer_threads,
+        limits=config.prompts,
     )
     listen = config.server
     server = Server(
@@ -256,11 +254,7 @@ def grammar_client(settings: GrammarSettings, tokenizer: Tokenizer) -> GrammarCl
         [],
         tokenizer.fingerprint.to_proto(),
         words_per_row=tokenizer.words_per_row,
-        step_timeout_s=settings.step_timeout_s,
-        open_timeout_s=settings.open_timeout_s,
-        tls=settings.tls,
-        compact_masks=settings.compact_masks,
-        poison_after=settings.poison_after,
+        settings=settings,
     )
 
 
