@@ -162,14 +162,7 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
     """The gateway app; it owns (starts and closes) `pool` unless one is passed in."""
     metrics = GatewayMetrics()
     own_pool = pool is None
-    the_pool = pool or WorkerPool(
-        config.workers,
-        health_interval_s=config.health_interval_s,
-        dns_refresh_s=config.worker_dns_refresh_s,
-        health_timeout_s=config.health_timeout_s,
-        on_health=metrics.set_worker_health,
-        tls=config.worker_tls,
-    )
+    the_pool = pool or WorkerPool(config, on_health=metrics.set_worker_health)
     ctx = Context(
         config=config,
         pool=the_pool,

@@ -26,7 +26,6 @@ import grpc
 
 from grammar_service import metrics
 from grammar_service.compiler import (
-    COMPLETE,
     CompiledGrammar,
     ParserLimits,
     Translation,
@@ -73,24 +72,24 @@ class Compiler:
         *,
         limits: ParserLimits,
         bounds: ConstraintBounds = ConstraintBounds(),  # noqa: B008 (frozen, immutable)
-        threads: int = CompileSettings.threads,
-        timeout_s: float = CompileSettings.timeout_s,
-        max_schema_bytes: int = CompileSettings.max_schema_bytes,
+        settings: CompileSettings = CompileSettings(),  # noqa: B008 (frozen, immutable)
         sandbox: Sandbox | None = None,
-        poison: PoisonList | None = None,
-        schema_mode: int = COMPLETE,
     ) -> None:
-        """`sandbox` None verifies in this process (tests, `--no-compile-sandbox`);
-        `schema_mode`: for JSON schemas whose request does not say (`--schema-mode`)."""
+        """`settings`: threads, deadline, size limit, the default schema mode (for JSON schemas
+        whose request does not say) and the poison list's place and TTL; the cache settings
+        are the runtime's. `sandbox` None verifies in this process (tests,
+        `--no-compile-sandbox`)."""
         self.limits = limits
-        self.schema_mode = schema_mode
+        self.schema_mode = common_pb2.SchemaMode.Value(
+            f"SCHEMA_MODE_{settings.schema_mode.upper()}"
+        )
         self.bounds = bounds
-        self.timeout_s = timeout_s
-        self.max_schema_bytes = max_schema_bytes
+        self.timeout_s = settings.timeout_s
+        self.max_schema_bytes = settings.max_schema_bytes
         self.sandbox = sandbox
-        self.poison = poison if poison is not None else PoisonList(None)
+        self.poison = PoisonList(settings.state_dir, settings.poison_ttl_s)
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, threads), thread_name_prefix="compile"
+            max_workers=max(1, settings.threads), thread_name_prefix="compile"
         )
         self._tokenizer_index: dict[int, int] = {}
 
