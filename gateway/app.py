@@ -162,21 +162,13 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
     """The gateway app; it owns (starts and closes) `pool` unless one is passed in."""
     metrics = GatewayMetrics()
     own_pool = pool is None
-    the_pool = pool or WorkerPool(
-        config.workers,
-        health_interval_s=config.health_interval_s,
-        dns_refresh_s=config.worker_dns_refresh_s,
-        health_timeout_s=config.health_timeout_s,
-        on_health=metrics.set_worker_health,
-        tls=config.worker_tls,
-    )
+    the_pool = pool or WorkerPool(config, on_health=metrics.set_worker_health)
     ctx = Context(
         config=config,
         pool=the_pool,
         limiter=Limiter(config.max_concurrency),
         metrics=metrics,
     )
-    started = int(time.time())
     # Streams outlive their handler: count admitted requests, not running handlers.
     metrics.in_flight.set_function(lambda: ctx.limiter.active)
 
@@ -199,6 +191,16 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
     app.state.ctx = ctx
     # Every route checks its JSON body's nesting and text before FastAPI validates it.
     app.router.route_class = checked_route(config.max_json_depth)
+    _add_error_handlers(app, metrics)
+    _add_generation_routes(app, ctx)
+    _add_model_routes(app, the_pool, started=int(time.time()))
+    _add_operation_routes(app, the_pool, metrics)
+    _add_middleware(app, config, metrics)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, metrics: GatewayMetrics) -> None:
+    """Every failure answered as an OpenAI-shaped error body (or 499 for a client gone)."""
 
     @app.exception_handler(errors.APIError)
     async def _api_error(_: Request, exc: errors.APIError) -> JSONResponse:
@@ -240,6 +242,12 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         metrics.cancelled.inc()
         return Response(status_code=STATUS_CLIENT_CLOSED)
 
+
+def _add_generation_routes(app: FastAPI, ctx: Context) -> None:
+    """POST /v1/chat/completions, /v1/completions and /v1/responses; the latency of a
+    non-streamed answer is observed here (a stream's by its own generator)."""
+    latency = ctx.metrics.latency
+
     @app.post(
         "/v1/chat/completions",
         response_model=schemas.ChatCompletion,
@@ -255,7 +263,7 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
             return await chat.handle(ctx, request, body)
         finally:
             if not body.stream:
-                metrics.latency.labels(chat.ENDPOINT, "false").observe(time.monotonic() - t0)
+                latency.labels(chat.ENDPOINT, "false").observe(time.monotonic() - t0)
 
     @app.post(
         "/v1/completions",
@@ -270,7 +278,7 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
             return await completions.handle(ctx, request, body)
         finally:
             if not body.stream:
-                metrics.latency.labels(completions.ENDPOINT, "false").observe(time.monotonic() - t0)
+                latency.labels(completions.ENDPOINT, "false").observe(time.monotonic() - t0)
 
     @app.post(
         "/v1/responses",
@@ -285,13 +293,18 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
             return await responses.handle(ctx, request, body)
         finally:
             if not body.stream:
-                metrics.latency.labels(responses.ENDPOINT, "false").observe(time.monotonic() - t0)
+                latency.labels(responses.ENDPOINT, "false").observe(time.monotonic() - t0)
+
+
+def _add_model_routes(app: FastAPI, pool: WorkerPool, *, started: int) -> None:
+    """GET /v1/models and /v1/models/{model}: the models the workers serve (`started`: their
+    `created` time, the gateway's start)."""
 
     async def _cards() -> list[schemas.ModelCard]:
-        info = await the_pool.model_info()
+        info = await pool.model_info()
         return [
             schemas.ModelCard(id=m, created=started, max_model_len=info.max_context or None)
-            for m in the_pool.known_models()
+            for m in pool.known_models()
         ]
 
     @app.get(
@@ -315,7 +328,11 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         for card in await _cards():
             if card.id == model:
                 return card
-        raise errors.model_not_found(model, the_pool.known_models())
+        raise errors.model_not_found(model, pool.known_models())
+
+
+def _add_operation_routes(app: FastAPI, pool: WorkerPool, metrics: GatewayMetrics) -> None:
+    """GET /health (liveness), /ready (readiness) and /metrics (Prometheus)."""
 
     @app.get("/health", response_model=schemas.Health, tags=["operations"])
     async def health() -> schemas.Health:
@@ -327,7 +344,7 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
                 in_flight=ep.in_flight,
                 model=ep.info.model if ep.info is not None else None,
             )
-            for ep in the_pool.endpoints
+            for ep in pool.endpoints
         ]
         ok = any(w.healthy for w in workers)
         return schemas.Health(status="ok" if ok else "degraded", workers=workers)
@@ -353,6 +370,9 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         """Prometheus text format."""
         return Response(metrics.render(), media_type=metrics.content_type)
 
+
+def _add_middleware(app: FastAPI, config: GatewayConfig, metrics: GatewayMetrics) -> None:
+    """Request counting, the body limit and, outermost, the API keys."""
     app.add_middleware(RequestMetrics, metrics=metrics)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     # Outermost: an unauthenticated request is refused before its body is read.
@@ -362,4 +382,3 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
         max_concurrency_per_key=config.max_concurrency_per_key,
         on_reject=lambda reason: metrics.rejected.labels(reason).inc(),
     )
-    return app

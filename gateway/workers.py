@@ -24,9 +24,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway import errors
+from gateway.config import GatewayConfig
 from maskwire import discovery
 from maskwire.rpc import RpcError, client_channel_options
-from maskwire.tls import ClientTLS, make_channel
+from maskwire.tls import make_channel
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -68,25 +69,23 @@ class WorkerPool:
 
     def __init__(
         self,
-        addresses: Sequence[str],
+        config: GatewayConfig,
         *,
-        health_interval_s: float = 5.0,
-        health_timeout_s: float = 2.0,
-        dns_refresh_s: float = discovery.DEFAULT_REFRESH_S,
         resolve: discovery.ResolveFn | None = None,
         on_health: Callable[[str, bool], None] | None = None,
-        tls: ClientTLS | None = None,
     ) -> None:
-        self.tls = tls  # TLS/mTLS to every worker (None: plaintext)
-        self.addresses = parse_addresses(addresses)
+        """The workers, their health checks, DNS refresh and TLS as `config` (the gateway's
+        flags) gives them."""
+        self.tls = config.worker_tls  # TLS/mTLS to every worker (None: plaintext)
+        self.addresses = parse_addresses(config.workers)
         if not self.addresses:
             raise ValueError("at least one worker address is needed")
         discovery.parse_targets(self.addresses)  # TargetError now, not at start-up
-        self.dns_refresh_s = dns_refresh_s
+        self.dns_refresh_s = config.worker_dns_refresh_s
         self._resolve = resolve
         self._resolver: discovery.Resolver | None = None
-        self.health_interval_s = health_interval_s
-        self.health_timeout_s = health_timeout_s
+        self.health_interval_s = config.health_interval_s
+        self.health_timeout_s = config.health_timeout_s
         self.on_health = on_health
         self.endpoints: list[WorkerEndpoint] = []
         self._rr = itertools.count()

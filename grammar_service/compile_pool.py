@@ -26,7 +26,6 @@ import grpc
 
 from grammar_service import metrics
 from grammar_service.compiler import (
-    COMPLETE,
     CompiledGrammar,
     ParserLimits,
     Translation,
@@ -73,24 +72,24 @@ class Compiler:
         *,
         limits: ParserLimits,
         bounds: ConstraintBounds = ConstraintBounds(),  # noqa: B008 (frozen, immutable)
-        threads: int = CompileSettings.threads,
-        timeout_s: float = CompileSettings.timeout_s,
-        max_schema_bytes: int = CompileSettings.max_schema_bytes,
+        settings: CompileSettings = CompileSettings(),  # noqa: B008 (frozen, immutable)
         sandbox: Sandbox | None = None,
-        poison: PoisonList | None = None,
-        schema_mode: int = COMPLETE,
     ) -> None:
-        """`sandbox` None verifies in this process (tests, `--no-compile-sandbox`);
-        `schema_mode`: for JSON schemas whose request does not say (`--schema-mode`)."""
+        """`settings`: threads, deadline, size limit, the default schema mode (for JSON schemas
+        whose request does not say) and the poison list's place and TTL; the cache settings
+        are the runtime's. `sandbox` None verifies in this process (tests,
+        `--no-compile-sandbox`)."""
         self.limits = limits
-        self.schema_mode = schema_mode
+        self.schema_mode = common_pb2.SchemaMode.Value(
+            f"SCHEMA_MODE_{settings.schema_mode.upper()}"
+        )
         self.bounds = bounds
-        self.timeout_s = timeout_s
-        self.max_schema_bytes = max_schema_bytes
+        self.timeout_s = settings.timeout_s
+        self.max_schema_bytes = settings.max_schema_bytes
         self.sandbox = sandbox
-        self.poison = poison if poison is not None else PoisonList(None)
+        self.poison = PoisonList(settings.state_dir, settings.poison_ttl_s)
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, threads), thread_name_prefix="compile"
+            max_workers=max(1, settings.threads), thread_name_prefix="compile"
         )
         self._tokenizer_index: dict[int, int] = {}
 
@@ -143,73 +142,91 @@ class Compiler:
         key = grammar_id or grammar_key(constraint, tokenizer)
         self.check_poison(constraint, key)
         kind = constraint_kind(constraint)
-        field = error_field(kind)
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.timeout_s
-        relax: frozenset[str] = frozenset()
         try:
-            while True:
-                translation: Translation = await self._in_thread(
-                    deadline,
-                    translate,
-                    constraint,
-                    tokenizer,
-                    self.bounds,
-                    self.schema_mode,
-                    relax,
-                )
-                grammar = translation.grammar
-                try:
-                    template, warnings = await self._verify(
-                        key, grammar, tokenizer, field, deadline, client
-                    )
-                    break
-                except RpcError as e:
-                    relax = retry_relaxed(e, relax, constraint, self.schema_mode)
-        except SandboxCrashed as e:
-            why = f"compiling it crashed a compile worker ({e})"
-            self.poison.add(key, why)
-            raise crashed_error(kind, why) from None
-        except SandboxUnavailable as e:
-            raise RpcError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"cannot compile now: {e}",
-                reason="COMPILE_SANDBOX_UNAVAILABLE",
-            ) from None
-        except TimeoutError:
-            raise RpcError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"compiling the constraint took longer than {self.timeout_s:g}s "
-                "(--compile-timeout-s)",
-                [(field, "grammar too complex to compile in time")],
-                reason="COMPILE_TIMEOUT",
-            ) from None
+            translation, template, warnings = await self._translate_and_verify(
+                constraint, tokenizer, key, error_field(kind), client
+            )
         except RpcError:
             raise
-        except RecursionError:
-            raise RpcError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"invalid {field}: nested too deeply",
-                [(field, "nested too deeply")],
-                reason="CONSTRAINT_TOO_COMPLEX",
-            ) from None
         except Exception as e:  # never let a library failure become a stack trace on the wire
-            raise RpcError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"cannot compile the constraint: {e}",
-                [(field, str(e))],
-                reason="INVALID_CONSTRAINT",
-            ) from None
+            raise self._failure(e, key, kind) from None
         assert template is not None
         return CompiledGrammar(
             grammar_id=key,
-            grammar=grammar,
+            grammar=translation.grammar,
             tokenizer=tokenizer,
             warnings=warnings,
             template=template,
             compile_ms=(time.perf_counter() - t0) * 1000.0,
             report=translation.report,
             checks=translation.checks,
+        )
+
+    async def _translate_and_verify(
+        self,
+        constraint: common_pb2.Constraint,
+        tokenizer: Tokenizer,
+        key: str,
+        field: str,
+        client: str,
+    ) -> tuple[Translation, Any, tuple[str, ...]]:
+        """(translation, template, warnings), within one deadline of `timeout_s`: translated
+        again with a fallback while the verifier refuses what a fallback avoids."""
+        deadline = time.monotonic() + self.timeout_s
+        relax: frozenset[str] = frozenset()
+        while True:
+            translation: Translation = await self._in_thread(
+                deadline,
+                translate,
+                constraint,
+                tokenizer,
+                self.bounds,
+                self.schema_mode,
+                relax,
+            )
+            try:
+                template, warnings = await self._verify(
+                    key, translation.grammar, tokenizer, field, deadline, client
+                )
+            except RpcError as e:
+                relax = retry_relaxed(e, relax, constraint, self.schema_mode)
+                continue
+            return translation, template, warnings
+
+    def _failure(self, e: Exception, key: str, kind: str) -> RpcError:
+        """The answer to a compile that failed with `e` (a crash also poisons `key`)."""
+        field = error_field(kind)
+        if isinstance(e, SandboxCrashed):
+            why = f"compiling it crashed a compile worker ({e})"
+            self.poison.add(key, why)
+            return crashed_error(kind, why)
+        if isinstance(e, SandboxUnavailable):
+            return RpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"cannot compile now: {e}",
+                reason="COMPILE_SANDBOX_UNAVAILABLE",
+            )
+        if isinstance(e, TimeoutError):
+            return RpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"compiling the constraint took longer than {self.timeout_s:g}s "
+                "(--compile-timeout-s)",
+                [(field, "grammar too complex to compile in time")],
+                reason="COMPILE_TIMEOUT",
+            )
+        if isinstance(e, RecursionError):
+            return RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"invalid {field}: nested too deeply",
+                [(field, "nested too deeply")],
+                reason="CONSTRAINT_TOO_COMPLEX",
+            )
+        return RpcError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"cannot compile the constraint: {e}",
+            [(field, str(e))],
+            reason="INVALID_CONSTRAINT",
         )
 
     async def _verify(

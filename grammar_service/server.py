@@ -12,7 +12,6 @@ from grammar_service.compile_cache import CompileCache
 from grammar_service.compile_pool import Compiler, use_large_thread_stacks
 from grammar_service.compiler import TESTING_FAULT_ENV, arm_testing_faults
 from grammar_service.config import ServiceConfig
-from grammar_service.poison import PoisonList
 from grammar_service.runtime import Runtime
 from grammar_service.sandbox import Sandbox, SandboxUnavailable
 from grammar_service.schema import formats
@@ -20,7 +19,7 @@ from grammar_service.schema.monitor import token_classes
 from grammar_service.servicer import GrammarServicer
 from maskwire.rpc import Server, start_metrics_server
 from maskwire.tokenizer import TokenizerLoadError, load_tokenizer
-from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc
+from maskwire.v1 import grammar_pb2, grammar_pb2_grpc
 
 log = logging.getLogger("grammar_service")
 
@@ -53,14 +52,7 @@ def build_runtime(config: ServiceConfig) -> Runtime:
         )
     settings = config.compile
     compiler = Compiler(
-        limits=config.parser_limits,
-        bounds=config.bounds,
-        threads=settings.threads,
-        timeout_s=settings.timeout_s,
-        max_schema_bytes=settings.max_schema_bytes,
-        sandbox=sandbox,
-        schema_mode=common_pb2.SchemaMode.Value(f"SCHEMA_MODE_{settings.schema_mode.upper()}"),
-        poison=PoisonList(settings.state_dir, settings.poison_ttl_s),
+        limits=config.parser_limits, bounds=config.bounds, settings=settings, sandbox=sandbox
     )
     return Runtime(
         tokenizers=tokenizers,

@@ -201,33 +201,11 @@ def decode_rows(
     words = words_per_row(vocab_size)
     if len(cnt) != n:
         raise ValueError(f"{n} encodings but {len(cnt)} counts")
-    if out is None:
-        out = np.empty((n, words), dtype=np.int32)
-    elif (
-        out.dtype != np.int32
-        or out.ndim != 2
-        or out.shape[1] != words
-        or out.shape[0] < n
-        or not out.flags.c_contiguous
-    ):
-        raise ValueError(f"out must be a C-contiguous int32 array of shape [>= {n}, {words}]")
-    view = out[:n]
+    view = _output_rows(out, n, words)
     if n == 0:
         return view
-    is_dense = enc == DENSE
-    is_repeat = enc == REPEAT
-    if not (is_dense | is_repeat | (enc == SPARSE_ZEROS) | (enc == SPARSE_ONES)).all():
-        raise ValueError(f"unknown mask row encoding in {sorted(set(enc.tolist()))}")
-    if (cnt[is_dense | is_repeat] != 0).any() or (cnt < 0).any() or (cnt > words).any():
-        raise ValueError(f"word counts must be 0 for dense and repeat rows and in [0, {words}]")
     sources = np.asarray(repeat_of, dtype=np.int64)
-    repeat_rows = np.flatnonzero(is_repeat)
-    if len(sources) != len(repeat_rows):
-        raise ValueError(f"{len(repeat_rows)} repeat rows but {len(sources)} repeat_of entries")
-    if len(sources) and (
-        (sources < 0).any() or (sources >= repeat_rows).any() or is_repeat[sources].any()
-    ):
-        raise ValueError("a repeat row must name an earlier row that is not itself a repeat")
+    is_dense, repeat_rows = _check_encodings(enc, cnt, words, sources)
     n_dense = int(np.count_nonzero(is_dense))
     if len(dense) != n_dense * words * 4:
         raise ValueError(f"{len(dense)} dense bytes for {n_dense} rows of {words} words")
@@ -250,6 +228,42 @@ def decode_rows(
     if len(repeat_rows):  # sources are never repeats, so they are final by now
         view[repeat_rows] = view[sources]
     return view
+
+
+def _output_rows(out: np.ndarray | None, n: int, words: int) -> np.ndarray:
+    """`out[:n]` once `out` is checked to fit (a new ``[n, words]`` array when None)."""
+    if out is None:
+        return np.empty((n, words), dtype=np.int32)
+    if (
+        out.dtype != np.int32
+        or out.ndim != 2
+        or out.shape[1] != words
+        or out.shape[0] < n
+        or not out.flags.c_contiguous
+    ):
+        raise ValueError(f"out must be a C-contiguous int32 array of shape [>= {n}, {words}]")
+    return out[:n]
+
+
+def _check_encodings(
+    enc: np.ndarray, cnt: np.ndarray, words: int, sources: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(the dense rows as a bool mask, the repeat rows' indices) once every row's
+    encoding, word count and repeat source is checked; ValueError otherwise."""
+    is_dense = enc == DENSE
+    is_repeat = enc == REPEAT
+    if not (is_dense | is_repeat | (enc == SPARSE_ZEROS) | (enc == SPARSE_ONES)).all():
+        raise ValueError(f"unknown mask row encoding in {sorted(set(enc.tolist()))}")
+    if (cnt[is_dense | is_repeat] != 0).any() or (cnt < 0).any() or (cnt > words).any():
+        raise ValueError(f"word counts must be 0 for dense and repeat rows and in [0, {words}]")
+    repeat_rows = np.flatnonzero(is_repeat)
+    if len(sources) != len(repeat_rows):
+        raise ValueError(f"{len(repeat_rows)} repeat rows but {len(sources)} repeat_of entries")
+    if len(sources) and (
+        (sources < 0).any() or (sources >= repeat_rows).any() or is_repeat[sources].any()
+    ):
+        raise ValueError("a repeat row must name an earlier row that is not itself a repeat")
+    return is_dense, repeat_rows
 
 
 def step_masks(result: grammar_pb2.StepResult, out: np.ndarray | None = None) -> np.ndarray:

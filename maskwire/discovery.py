@@ -290,7 +290,7 @@ class Resolver:
 
 
 def add_refresh_argument(
-    parser: argparse.ArgumentParser,
+    parser: argparse._ActionsContainer,  # a parser or one of its argument groups
     flag: str = "--grammar-dns-refresh-s",
     *,
     default: float = DEFAULT_REFRESH_S,

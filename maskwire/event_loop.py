@@ -18,7 +18,7 @@ T = TypeVar("T")
 CHOICES = ("auto", "uvloop", "asyncio")
 
 
-def add_event_loop_argument(p: argparse.ArgumentParser) -> None:
+def add_event_loop_argument(p: argparse._ActionsContainer) -> None:
     p.add_argument(
         "--event-loop",
         choices=CHOICES,

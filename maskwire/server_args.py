@@ -15,25 +15,32 @@ if TYPE_CHECKING:  # grpc is imported where credentials are built: CLI modules s
     import grpc
 
 
+def add_host_argument(g: argparse._ActionsContainer, default: str = "127.0.0.1") -> None:
+    """`--host`: the address a service binds (every service: gRPC and HTTP alike)."""
+    g.add_argument("--host", default=default, help=f"address to bind (default {default})")
+
+
 def add_grpc_server_arguments(
     p: argparse.ArgumentParser, *, port: int, drain_grace_s: float
 ) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument(
+    """Where a gRPC service listens, its metrics, drain, logs and event loop; then its TLS."""
+    g = p.add_argument_group("server")
+    add_host_argument(g)
+    g.add_argument(
         "--port", type=int, default=port, help=f"gRPC port (default {port}; 0 picks a free one)"
     )
-    p.add_argument(
+    g.add_argument(
         "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: disabled)"
     )
-    p.add_argument(
+    g.add_argument(
         "--drain-grace-s",
         type=float,
         default=drain_grace_s,
         help=f"on SIGTERM, time for in-flight work (default {drain_grace_s:g})",
     )
-    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING... (default INFO)")
+    g.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING... (default INFO)")
+    add_event_loop_argument(g)
     add_server_tls_arguments(p)
-    add_event_loop_argument(p)
 
 
 @dataclass(frozen=True)

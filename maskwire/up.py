@@ -247,11 +247,38 @@ def _say(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from maskwire.supervise import Child, ChildExited, http_healthy, stop_in_order
+    from maskwire.supervise import stop_in_order
 
+    if not _preflight(args):
+        return 2
+    ports = choose_ports(args)
+    show_logs = (not args.demo) if args.show_logs is None else args.show_logs
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="maskwire-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stack = _Stack(args.host, log_dir, show_logs)
+    stack.plan(args, ports)
+    signals = _Signals()
+    signals.install()
+    try:
+        rc = _start_and_serve(args, stack, signals)
+    finally:
+        stop_in_order(
+            list(reversed(stack.tiers)),
+            args.grace,
+            force=signals.force.is_set,
+            say=_say,
+        )
+        signals.restore()
+    rc = stack.report_exits(rc)
+    _say("stopped" if rc == 0 else f"stopped (exit {rc}); logs in {log_dir}/")
+    return rc
+
+
+def _preflight(args: argparse.Namespace) -> bool:
+    """False (said why) when the flags or the embedded model rule out starting anything."""
     if args.grammar_replicas < 1:
         _say("--grammar-replicas must be at least 1")
-        return 2
+        return False
     if args.model == "default":
         from maskwire.tokenizer import TokenizerLoadError, embedded_model_path
 
@@ -259,21 +286,35 @@ def run(args: argparse.Namespace) -> int:
             embedded_model_path()
         except TokenizerLoadError as e:
             _say(f"cannot find the embedded model: {e}")
-            return 2
-    ports = choose_ports(args)
-    show_logs = (not args.demo) if args.show_logs is None else args.show_logs
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="maskwire-up-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    host = args.host
-    connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+            return False
+    return True
 
-    def addr(port: int) -> str:
-        return f"[{connect_host}]:{port}" if ":" in connect_host else f"{connect_host}:{port}"
 
-    where: dict[str, str] = {}
-    metrics: dict[str, str] = {"gateway": f"http://{addr(ports.gateway)}/metrics"}
+class _Stack:
+    """The children of one `maskwire up` in their tiers (grammar replicas, worker, gateway),
+    where each listens, and whose death was reported."""
+
+    def __init__(self, host: str, log_dir: Path, show_logs: bool) -> None:
+        self.host = host
+        self.connect_host = (
+            "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+        )
+        self.log_dir = log_dir
+        self.show_logs = show_logs
+        self.where: dict[str, str] = {}  # name -> address
+        self.metrics: dict[str, str] = {}  # name -> metrics URL
+        self.grammar: list[Child] = []
+        self.tiers: list[list[Child]] = []
+        self.everyone: list[Child] = []
+        self.gateway_url = ""
+        self.reported: set[int | None] = set()  # pids whose death was already reported
+
+    def addr(self, port: int) -> str:
+        host = self.connect_host
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def child(
+        self,
         name: str,
         command: str,
         port: int,
@@ -281,140 +322,142 @@ def run(args: argparse.Namespace) -> int:
         probe: Callable[[], bool],
         metrics_port: int = 0,
     ) -> Child:
+        from maskwire.supervise import Child
+
         argv = [*SERVICE_COMMAND, command, "--port", str(port)]
-        argv += ["--host", host, *extra]
-        where[name] = addr(port)
+        argv += ["--host", self.host, *extra]
+        self.where[name] = self.addr(port)
         if metrics_port:
             argv += ["--metrics-port", str(metrics_port)]
-            metrics[name] = f"http://{addr(metrics_port)}/metrics"
+            self.metrics[name] = f"http://{self.addr(metrics_port)}/metrics"
         return Child(
             name,
             argv,
-            log_path=log_dir / f"{name}.log",
+            log_path=self.log_dir / f"{name}.log",
             probe=probe,
-            echo=sys.stderr if show_logs else None,
+            echo=sys.stderr if self.show_logs else None,
         )
 
-    grammar = [
-        child(
-            f"grammar-{i}" if args.grammar_replicas > 1 else "grammar",
-            "grammar-service",
-            port,
-            ["--tokenizer", args.model],
-            _grpc_probe(addr(port)),
-            metrics_port,
-        )
-        for i, (port, metrics_port) in enumerate(
-            zip(ports.grammar, ports.grammar_metrics, strict=True)
-        )
-    ]
-    worker = child(
-        "worker",
-        "worker",
-        ports.worker,
-        [
-            "--model",
-            args.model,
-            "--device",
-            args.device,
-            "--grammar-service",
-            ",".join(addr(p) for p in ports.grammar),
-            *args.worker_arg,
-        ],
-        _grpc_probe(addr(ports.worker)),
-        ports.worker_metrics,
-    )
-    gateway_url = f"http://{addr(ports.gateway)}"
-    gateway = child(
-        "gateway",
-        "gateway",
-        ports.gateway,
-        ["--worker", addr(ports.worker)],
-        lambda: http_healthy(f"{gateway_url}/ready"),
-    )
-    tiers = [grammar, [worker], [gateway]]
-    everyone = [*grammar, worker, gateway]
+    def plan(self, args: argparse.Namespace, ports: Ports) -> None:
+        """The children, not started: each tier pointed at the one it depends on."""
+        from maskwire.supervise import http_healthy
 
-    signals = _Signals()
-    signals.install()
-    rc = 0
-    reported: set[int | None] = set()  # pids whose death was already reported
+        addr = self.addr
+        self.gateway_url = f"http://{addr(ports.gateway)}"
+        self.metrics["gateway"] = f"{self.gateway_url}/metrics"
+        self.grammar = [
+            self.child(
+                f"grammar-{i}" if args.grammar_replicas > 1 else "grammar",
+                "grammar-service",
+                port,
+                ["--tokenizer", args.model],
+                _grpc_probe(addr(port)),
+                metrics_port,
+            )
+            for i, (port, metrics_port) in enumerate(
+                zip(ports.grammar, ports.grammar_metrics, strict=True)
+            )
+        ]
+        grammar_targets = ",".join(addr(p) for p in ports.grammar)
+        worker_args = ["--model", args.model, "--device", args.device]
+        worker = self.child(
+            "worker",
+            "worker",
+            ports.worker,
+            [*worker_args, "--grammar-service", grammar_targets, *args.worker_arg],
+            _grpc_probe(addr(ports.worker)),
+            ports.worker_metrics,
+        )
+        ready_url = f"{self.gateway_url}/ready"
+        gateway = self.child(
+            "gateway",
+            "gateway",
+            ports.gateway,
+            ["--worker", addr(ports.worker)],
+            lambda: http_healthy(ready_url),
+        )
+        self.tiers = [self.grammar, [worker], [gateway]]
+        self.everyone = [*self.grammar, worker, gateway]
 
-    def report(c: Child) -> None:
-        reported.add(c.pid)
+    def report(self, c: Child) -> None:
+        self.reported.add(c.pid)
         _report_death(c)
 
-    started_at = time.monotonic()
-    ready = False
-    try:
-        _say(f"logs in {log_dir}/")
-        for tier in tiers:
+    def start(self, timeout_s: float, signals: _Signals) -> None:
+        """Start the tiers in order, each healthy before the next starts (or a signal came)."""
+        for tier in self.tiers:
             for c in tier:
                 c.start()
-                _say(f"started {c.name} on {where[c.name]} (pid {c.pid})")
+                _say(f"started {c.name} on {self.where[c.name]} (pid {c.pid})")
             for c in tier:
                 t0 = time.monotonic()
-                if not c.wait_ready(args.startup_timeout, signals.stop.is_set):
+                if not c.wait_ready(timeout_s, signals.stop.is_set):
                     break
                 _say(f"{c.name} is healthy ({time.monotonic() - t0:.1f}s)")
             if signals.stop.is_set():
                 break
+
+    def report_exits(self, rc: int) -> int:
+        """`rc`, or 1 when a child did not end cleanly: each reported once, a death while
+        running or a bad exit while draining (a SIGKILL after the grace period was already
+        announced)."""
+        for c in self.everyone:
+            if c.killed:
+                rc = 1  # it ignored SIGTERM for the whole grace period (or a second Ctrl-C came)
+                continue
+            if c.pid in self.reported or c.poll() in (None, 0, -signal.SIGTERM):
+                continue
+            rc = 1
+            _report_death(c, "while stopping" if c.stopping else "")
+        return rc
+
+
+def _start_and_serve(args: argparse.Namespace, stack: _Stack, signals: _Signals) -> int:
+    """Start the stack, then serve (or run the demo) until a signal or a death; the exit
+    code. Stopping is the caller's."""
+    from maskwire.supervise import ChildExited
+
+    started_at = time.monotonic()
+    ready = False
+    try:
+        _say(f"logs in {stack.log_dir}/")
+        stack.start(args.startup_timeout, signals)
         if signals.stop.is_set():
             _say(f"{signals.received} received during startup: stopping")
-        else:
-            ready = True
-            _say(f"ready in {time.monotonic() - started_at:.1f}s")
-            _print_banner(
-                gateway_url,
-                addr(ports.worker),
-                [addr(p) for p in ports.grammar],
-                metrics,
-                log_dir,
-                examples=not args.demo,
-            )
-            if args.demo:
-                from maskwire.demo import run_demo
+            return 0
+        ready = True
+        _say(f"ready in {time.monotonic() - started_at:.1f}s")
+        _print_banner(
+            stack.gateway_url,
+            stack.where["worker"],
+            [stack.where[c.name] for c in stack.grammar],
+            stack.metrics,
+            stack.log_dir,
+            examples=not args.demo,
+        )
+        if args.demo:
+            from maskwire.demo import run_demo
 
-                rc = run_demo(gateway_url, stop=signals.stop)
-            else:
-                print("Press Ctrl-C to stop.", flush=True)
-                _supervise(everyone, grammar, signals, report)
-                _say(f"{signals.received} received: stopping gateway, worker, grammar service")
+            return run_demo(stack.gateway_url, stop=signals.stop)
+        print("Press Ctrl-C to stop.", flush=True)
+        _supervise(stack.everyone, stack.grammar, signals, stack.report)
+        _say(f"{signals.received} received: stopping gateway, worker, grammar service")
+        return 0
     except ChildExited as e:
-        rc = 1
-        report(e.child)
+        stack.report(e.child)
         why = e.why or (
             f"{e.child.name} is not restarted (only grammar replicas are)"
             if ready
             else f"{e.child.name} died during startup"
         )
         _say(f"{why}; stopping everything")
+        return 1
     except TimeoutError as e:
-        rc = 1
         _say(str(e))
-        for c in everyone:
+        for c in stack.everyone:
             if c.running and c.log_path.exists():
                 _say(f"{c.name} log: {c.log_path}")
-    finally:
-        stop_in_order(
-            list(reversed(tiers)),
-            args.grace,
-            force=signals.force.is_set,
-            say=_say,
-        )
-        signals.restore()
-    for c in everyone:
-        # Anything that did not end cleanly is reported once: a death while running, or a bad
-        # exit while draining (a SIGKILL after the grace period was already announced).
-        if c.killed:
-            rc = 1  # it ignored SIGTERM for the whole grace period (or a second Ctrl-C came)
-            continue
-        if c.pid in reported or c.poll() in (None, 0, -signal.SIGTERM):
-            continue
-        rc = 1
-        _report_death(c, "while stopping" if c.stopping else "")
-    _say("stopped" if rc == 0 else f"stopped (exit {rc}); logs in {log_dir}/")
-    return rc
+        return 1
 
 
 def _grpc_probe(address: str) -> Callable[[], bool]:
@@ -459,31 +502,6 @@ def _print_banner(
     *,
     examples: bool,
 ) -> None:
-    import json
-
-    from maskwire.demo import model_id
-
-    try:
-        model = model_id(gateway_url)
-    except Exception:  # the banner must not fail because /v1/models did
-        model = "default"
-    body = json.dumps(
-        {
-            "model": model,
-            "messages": [{"role": "user", "content": "Name a colour."}],
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {
-                    "name": "colour",
-                    "schema": {
-                        "type": "object",
-                        "properties": {"colour": {"type": "string"}},
-                        "required": ["colour"],
-                    },
-                },
-            },
-        }
-    )
     lines = [
         "",
         "maskwire is up.",
@@ -506,8 +524,37 @@ def _print_banner(
         "",
         "Try:",
         f"  curl -s {gateway_url}/v1/chat/completions -H 'Content-Type: application/json' \\",
-        f"       -d {shlex.quote(body)}",
+        f"       -d {shlex.quote(_example_body(gateway_url))}",
         f"  maskwire generate --worker {worker} --chat --choice yes --choice no 'Is the sky blue?'",
         "",
     ]
     print("\n".join(lines), flush=True)
+
+
+def _example_body(gateway_url: str) -> str:
+    """The banner's example chat request: a JSON schema for the served model."""
+    import json
+
+    from maskwire.demo import model_id
+
+    try:
+        model = model_id(gateway_url)
+    except Exception:  # the banner must not fail because /v1/models did
+        model = "default"
+    return json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "Name a colour."}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "colour",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"colour": {"type": "string"}},
+                        "required": ["colour"],
+                    },
+                },
+            },
+        }
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -104,51 +105,14 @@ def build_step_device(
 async def serve(config: WorkerConfig) -> int:
     """Run the worker `config` describes until SIGTERM/SIGINT, then drain."""
     began = time.perf_counter()
-    tp = config.model.tensor_parallel_size
-    # torch sizes its pool to the node; a container's CPU limit caps it (see maskwire.cpus).
-    torch.set_num_threads(config.model.threads or rank_threads(tp))
-    cache = await use_compile_cache_on_device_thread(config)
-    log.info("worker settings: %s; %d threads", config.tuning.describe(), torch.get_num_threads())
-    tokenizer = load_tokenizer(config.model.spec)
-    backend = create_backend(
-        config.model.device, compile=config.tuning.compile, cuda_graphs=config.tuning.cuda_graphs
-    )
-    # From here on torch runs on the device thread only (`neuron_worker.device_thread`: a second
-    # thread running torch doubles the forward's time on a small machine).
-    model = await device_thread.run(lambda: load_worker_model(config, backend))
-    engine_config = fit_context(config.engine, int(model.config.max_seq_len))
-    model_name = str(model.config.name)
-    device, ranks = await start_device(config, engine_config, model, backend, tokenizer, cache)
-
-    grammar: GrammarClient | None = None
-    resolver: Resolver | None = None
-    if config.grammar is not None:
-        grammar = grammar_client(config.grammar, tokenizer)
-        resolver = grammar_resolver(config.grammar, grammar)
-        await resolver.start()
-
-    metrics = Metrics()
-    engine = Engine(
-        device=device,
-        tokenizer=tokenizer,
-        grammar=grammar,
-        config=engine_config,
-        metrics=metrics,
-    )
-    await engine.start()
-    if config.tuning.warmup:
-        await warm_up(engine, cache)
-    engine.serving()
-    if config.model.adaptive_threads and backend.name == "cpu" and tp == 1:
-        govern_threads()
+    worker = await start_engine(config)
+    engine = worker.engine
     servicer = WorkerServicer(
         engine,
-        tokenizer,
-        model_name=model_name,
+        worker.tokenizer,
+        model_name=worker.model_name,
         device=config.model.device,
-        max_prompt_tokens=config.prompts.prompt_tokens(engine_config),
-        max_prompt_bytes=config.prompts.max_prompt_bytes,
-        tokenizer_threads=config.prompts.tokenizer_threads,
+        limits=config.prompts,
     )
     listen = config.server
     server = Server(
@@ -163,20 +127,92 @@ async def serve(config: WorkerConfig) -> int:
     await server.start()
     log.info(
         "worker serving %s on %s:%d (%s; %s, structured outputs %s, batch %d, context %d) in %.1fs",
-        model_name,
+        worker.model_name,
         listen.host,
         server.port,
         listen.tls_mode,
-        backend.describe(),
-        "on" if engine_config.structured_outputs else "off",
-        engine_config.max_batch,
-        engine_config.max_seq_len,
+        worker.backend.describe(),
+        "on" if engine.config.structured_outputs else "off",
+        engine.config.max_batch,
+        engine.config.max_seq_len,
         time.perf_counter() - began,
     )
+    watch_device(engine, server, worker.ranks)
 
     def on_drain() -> None:
         engine.draining = True
 
+    try:
+        await server.serve_until_signal(listen.drain_grace_s, on_drain=on_drain)
+    finally:
+        servicer.close()
+        await worker.stop()
+    return 0
+
+
+@dataclass
+class RunningEngine:
+    """A started engine and what it runs on, for the gRPC server and the shutdown."""
+
+    engine: Engine
+    tokenizer: Tokenizer
+    model_name: str
+    backend: Backend
+    ranks: RankGroup | None  # tensor parallelism's rank group (None: one process)
+    resolver: Resolver | None  # the grammar replicas' discovery (None: structured outputs off)
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+        if self.resolver is not None:
+            await self.resolver.stop()
+        if self.ranks is not None:
+            self.ranks.stop()
+
+
+async def start_engine(config: WorkerConfig) -> RunningEngine:
+    """Threads, compile cache, tokenizer, model, device, grammar client, then the engine,
+    warmed up when the settings say so and marked serving."""
+    tp = config.model.tensor_parallel_size
+    # torch sizes its pool to the node; a container's CPU limit caps it (see maskwire.cpus).
+    torch.set_num_threads(config.model.threads or rank_threads(tp))
+    cache = await use_compile_cache_on_device_thread(config)
+    log.info("worker settings: %s; %d threads", config.tuning.describe(), torch.get_num_threads())
+    tokenizer = load_tokenizer(config.model.spec)
+    backend = create_backend(
+        config.model.device, compile=config.tuning.compile, cuda_graphs=config.tuning.cuda_graphs
+    )
+    # From here on torch runs on the device thread only (`neuron_worker.device_thread`: a second
+    # thread running torch doubles the forward's time on a small machine).
+    model = await device_thread.run(lambda: load_worker_model(config, backend))
+    engine_config = fit_context(config.engine, int(model.config.max_seq_len))
+    device, ranks = await start_device(config, engine_config, model, backend, tokenizer, cache)
+
+    grammar: GrammarClient | None = None
+    resolver: Resolver | None = None
+    if config.grammar is not None:
+        grammar = grammar_client(config.grammar, tokenizer)
+        resolver = grammar_resolver(config.grammar, grammar)
+        await resolver.start()
+
+    engine = Engine(
+        device=device,
+        tokenizer=tokenizer,
+        grammar=grammar,
+        config=engine_config,
+        metrics=Metrics(),
+    )
+    await engine.start()
+    if config.tuning.warmup:
+        await warm_up(engine, cache)
+    engine.serving()
+    if config.model.adaptive_threads and backend.name == "cpu" and tp == 1:
+        govern_threads()
+    return RunningEngine(engine, tokenizer, str(model.config.name), backend, ranks, resolver)
+
+
+def watch_device(engine: Engine, server: Server, ranks: RankGroup | None) -> None:
+    """A lost device (or rank) turns the server's health to NOT_SERVING; the engine fails what
+    it holds."""
     loop = asyncio.get_running_loop()
     health_updates: set[asyncio.Task[None]] = set()
 
@@ -188,16 +224,6 @@ async def serve(config: WorkerConfig) -> int:
     engine.on_lost = device_lost
     if ranks is not None:
         ranks.watch(lambda reason: loop.call_soon_threadsafe(engine.device_lost, reason))
-    try:
-        await server.serve_until_signal(listen.drain_grace_s, on_drain=on_drain)
-    finally:
-        servicer.close()
-        await engine.stop()
-        if resolver is not None:
-            await resolver.stop()
-        if ranks is not None:
-            ranks.stop()
-    return 0
 
 
 async def start_device(
@@ -256,11 +282,7 @@ def grammar_client(settings: GrammarSettings, tokenizer: Tokenizer) -> GrammarCl
         [],
         tokenizer.fingerprint.to_proto(),
         words_per_row=tokenizer.words_per_row,
-        step_timeout_s=settings.step_timeout_s,
-        open_timeout_s=settings.open_timeout_s,
-        tls=settings.tls,
-        compact_masks=settings.compact_masks,
-        poison_after=settings.poison_after,
+        settings=settings,
     )
 
 

@@ -182,13 +182,19 @@ class Engine:
         warnings: list[str] = []
         opened: list[Request] = []
         self._opening += 1
+        shed: list[Request] = []
         try:
+            # Refused before its grammars are compiled when the queue has no room for it now;
+            # enqueue() applies the same rule to the queue as it is once they are open.
             self.scheduler.check_room(peer, len(reqs))
             for req in reqs:
                 if req.constraint is not None:
                     w = await self._open_grammar(req, opened)
                     warnings = warnings or w
-            self.scheduler.check_room(peer, len(reqs))
+            # Aborted (or failed by the worker) while its grammars were opening: not queued.
+            aborted = any(r.abort_reason is not None or r.finished for r in reqs)
+            if not aborted:
+                shed = self.scheduler.enqueue(reqs)
         except BaseException:
             self._unreserve(call, reqs)
             for req in opened:
@@ -198,16 +204,13 @@ class Engine:
         finally:
             self._opening -= 1
             self._wake.set()  # an admission wait may be holding on for this one (failed or not)
-        if any(r.abort_reason is not None or r.finished for r in reqs):
-            # Aborted (or failed by the worker) while its grammars were opening: end every
-            # choice now instead of queueing it.
+        if aborted:
             reason = next((r.abort_reason for r in reqs if r.abort_reason), "aborted")
             for req in reqs:
                 self._finish(req, FR.ABORT, error=reason)
             return warnings
-        for req in reqs:
-            for other in self.scheduler.enqueue(req):  # another client's, over its fair share
-                self._finish(other, FR.ERROR, status=queue_full(self.config.max_queue))
+        for other in shed:  # another client's, over its fair share
+            self._finish(other, FR.ERROR, status=queue_full(self.config.max_queue))
         self.metrics.queue(self.scheduler.queue_depth, len(self.scheduler.running))
         self._wake.set()
         return warnings

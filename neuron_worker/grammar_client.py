@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import grpc
 
 from maskwire.rpc import RpcError
-from maskwire.tls import ClientTLS
 from maskwire.v1 import common_pb2, grammar_pb2
+from neuron_worker.config import GrammarSettings
 from neuron_worker.grammar_codec import (
     BadStep,
     RowOutcome,
@@ -73,23 +73,22 @@ class GrammarClient:
         fingerprint: common_pb2.TokenizerFingerprint,
         *,
         words_per_row: int,
-        step_timeout_s: float = 5.0,
-        open_timeout_s: float = 30.0,
-        tls: ClientTLS | None = None,
-        compact_masks: bool = True,
-        poison_after: int = 2,
+        settings: GrammarSettings | None = None,
     ) -> None:
-        """`compact_masks` lets replicas answer large steps with compact mask rows (their
-        `--compact-min-rows` decides which steps): fewer bytes on the wire, decoded here.
-        `poison_after`: replica deaths attributed to one request before it fails as poison."""
-        self.tls = tls  # TLS/mTLS to every replica (None: plaintext)
-        self.replicas = [Replica(a, tls) for a in addresses]
+        """`settings` (the worker's `--grammar-*` flags): its `compact_masks` lets replicas
+        answer large steps with compact mask rows (their `--compact-min-rows` decides which
+        steps): fewer bytes on the wire, decoded here; `poison_after`: replica deaths
+        attributed to one request before it fails as poison. Its `targets` are the
+        resolver's (`update_replicas`), not read here. None: the flags' defaults."""
+        settings = settings or GrammarSettings()
+        self.tls = settings.tls  # TLS/mTLS to every replica (None: plaintext)
+        self.replicas = [Replica(a, self.tls) for a in addresses]
         self.fingerprint = fingerprint
         self.words_per_row = words_per_row
-        self.step_timeout_s = step_timeout_s
-        self.open_timeout_s = open_timeout_s
-        self.compact_masks = compact_masks
-        self.poison_after = max(1, poison_after)
+        self.step_timeout_s = settings.step_timeout_s
+        self.open_timeout_s = settings.open_timeout_s
+        self.compact_masks = settings.compact_masks
+        self.poison_after = max(1, settings.poison_after)
         self._step_no = itertools.count(1)
         self.replays = 0  # requests re-opened after a replica failure (for metrics/tests)
         # Constraint key -> the error its requests get (constraints that crashed replicas).

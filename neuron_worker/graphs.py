@@ -146,39 +146,58 @@ class ForwardRunner:
         self.chunked = self.flat_tokens > 0 and bool(getattr(model, "attends_in_place", False))
         self.flat_rows = max(2, max_rows, self.flat_tokens)  # rows of a one-token-per-row pass
         self.dynamic = backend.compile_enabled and not self.bucketed
-        # The pass functions by name: `prefill_logits` only where it differs (`Pass.prefill`).
-        # Each compiled function's one-token-per-row and multi-token graphs differ in the token
-        # dimension, static 1 in one and symbolic in the other.
-        names = ["step_logits"]
-        if getattr(model, "quantized", False):
-            names.append("prefill_logits")
-        self._functions: dict[str, Callable[..., Tensor]] = {}
-        for name in names:
-            fn = getattr(model, name)
-            if backend.compile_enabled:
-                fn = backend.compile(fn, name=name.removesuffix("_logits"), dynamic=self.dynamic)
-            self._functions[name] = fn
-        self._saved: SavedGraphs | None = None
-        if self.dynamic and graph_dir is not None and isinstance(model, nn.Module):
-            ranges = f"rows{max_rows} seq{max_seq} verify{self.verify_width} flat{self.flat_tokens}"
-            self._saved = SavedGraphs(
-                model,
-                graph_dir,
-                ranges=ranges,
-                mark_dynamic=self._mark_dynamic,
-                fallbacks=self._functions,
-            )
+        self._functions = self._pass_functions()
+        self._saved = self._saved_graphs(graph_dir)
         self._kv: Tensor | None = None
-        # Decode passes of up to a step's widest (every row with its drafts) replay CUDA graphs.
-        self._cuda_graphs: DecodeGraphs | None = None
-        if backend.cuda_graphs and self.dynamic:
-            self._cuda_graphs = DecodeGraphs(
-                self._functions["step_logits"],
-                widest=min(self.flat_rows, max(2, max_rows) * self.verify_width),
-                max_seq=max_seq,
-                pad_slot=pad_slot,
-                mark_dynamic=self._mark_dynamic,
-            )
+        self._cuda_graphs = self._decode_graphs()
+
+    def _pass_functions(self) -> dict[str, Callable[..., Tensor]]:
+        """The pass functions by name, compiled where the backend compiles: `prefill_logits`
+        only where it differs (`Pass.prefill`). Each compiled function's one-token-per-row and
+        multi-token graphs differ in the token dimension, static 1 in one and symbolic in the
+        other."""
+        names = ["step_logits"]
+        if getattr(self.model, "quantized", False):
+            names.append("prefill_logits")
+        functions: dict[str, Callable[..., Tensor]] = {}
+        for name in names:
+            fn = getattr(self.model, name)
+            if self.backend.compile_enabled:
+                fn = self.backend.compile(
+                    fn, name=name.removesuffix("_logits"), dynamic=self.dynamic
+                )
+            functions[name] = fn
+        return functions
+
+    def _saved_graphs(self, graph_dir: Path | None) -> SavedGraphs | None:
+        """The compiled dynamic graphs saved to and loaded from `graph_dir` (None: not saved)."""
+        model = self.model
+        if not (self.dynamic and graph_dir is not None and isinstance(model, nn.Module)):
+            return None
+        ranges = (
+            f"rows{self.max_rows} seq{self.max_seq} verify{self.verify_width} "
+            f"flat{self.flat_tokens}"
+        )
+        return SavedGraphs(
+            model,
+            graph_dir,
+            ranges=ranges,
+            mark_dynamic=self._mark_dynamic,
+            fallbacks=self._functions,
+        )
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """Decode passes of up to a step's widest (every row with its drafts) replay CUDA
+        graphs (None: no CUDA graphs)."""
+        if not (self.backend.cuda_graphs and self.dynamic):
+            return None
+        return DecodeGraphs(
+            self._functions["step_logits"],
+            widest=min(self.flat_rows, max(2, self.max_rows) * self.verify_width),
+            max_seq=self.max_seq,
+            pad_slot=self.pad_slot,
+            mark_dynamic=self._mark_dynamic,
+        )
 
     # ------------------------------------------------------------------ shapes
     def shape(self, rows: int, tokens: int, end: int) -> tuple[int, int, int]:

@@ -92,16 +92,19 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def check_room(self, peer: str, adding: int) -> None:
-        """RESOURCE_EXHAUSTED unless `adding` requests of `peer` can be queued now (in place of
-        other clients' waiting calls where `peer` is under its fair share)."""
+        """RESOURCE_EXHAUSTED unless `adding` requests of `peer` could be queued now (in place of
+        other clients' waiting calls where `peer` is under its fair share). Changes nothing: a
+        caller with slow work to do before :meth:`enqueue` (opening grammars) asks first."""
         self._make_room(peer, adding, remove=False)
 
-    def enqueue(self, req: Request) -> list[Request]:
-        """Queue a request (RESOURCE_EXHAUSTED when it may not). Returns the waiting requests
-        that left the queue to make room for it: the caller fails them as refused."""
-        shed = self._make_room(req.peer, 1, remove=True)
-        req.state = State.WAITING
-        self.waiting.append(req)
+    def enqueue(self, reqs: Sequence[Request]) -> list[Request]:
+        """Queue the requests of one call (all the choices of an n > 1 call), all or none:
+        RESOURCE_EXHAUSTED when they may not be. Returns the waiting requests that left the
+        queue to make room for them: the caller fails them as refused."""
+        shed = self._make_room(reqs[0].peer, len(reqs), remove=True)
+        for req in reqs:
+            req.state = State.WAITING
+            self.waiting.append(req)
         return shed
 
     def _make_room(self, peer: str, adding: int, *, remove: bool) -> list[Request]:

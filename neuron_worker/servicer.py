@@ -19,6 +19,7 @@ from maskwire.rpc import FieldViolation, RpcError
 from maskwire.text import truncate_echo, utf8_len
 from maskwire.tokenizer import Tokenizer
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
+from neuron_worker.config import PromptLimits
 from neuron_worker.detokenize import Detokenizer
 from neuron_worker.engine import Engine
 from neuron_worker.events import Delta, EngineError, Final, FinishReason, TokenEntry
@@ -42,19 +43,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         *,
         model_name: str,
         device: str,
-        max_prompt_tokens: int,
-        max_prompt_bytes: int,
-        tokenizer_threads: int,
+        limits: PromptLimits,
     ) -> None:
+        """`limits`: the prompt flags, the token limit fitted to `engine`'s context."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.device = device
-        self.max_prompt_tokens = max_prompt_tokens
-        self.max_prompt_bytes = max_prompt_bytes
+        self.max_prompt_tokens = limits.prompt_tokens(engine.config)
+        self.max_prompt_bytes = limits.max_prompt_bytes
         # Prompts are tokenized here, off the event loop (health checks and every stream keep
         # being served); the pool's size bounds the CPU and memory tokenization takes at once.
-        self._tokenize_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="tokenize")
+        self._tokenize_pool = ThreadPoolExecutor(
+            limits.tokenizer_threads, thread_name_prefix="tokenize"
+        )
 
     def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)

@@ -14,6 +14,7 @@ import pytest
 from maskwire import bitmask
 from maskwire.tokenizer import Tokenizer, load_tokenizer
 from maskwire.v1 import common_pb2, grammar_pb2
+from neuron_worker.config import GrammarSettings
 from neuron_worker.grammar_client import GrammarClient, GrammarRequest
 from tests.support.processes import ServiceProcess, running
 
@@ -53,7 +54,7 @@ async def test_masks_match_llguidance(
         [service.address],
         tok.fingerprint.to_proto(),
         words_per_row=tok.words_per_row,
-        compact_masks=compact,
+        settings=GrammarSettings(compact_masks=compact),
     )
     grammar = llguidance.LLMatcher.grammar_from_json_schema(
         json.dumps(SCHEMA),

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from maskwire.discovery import Resolver
 from maskwire.tokenizer import Tokenizer, load_tokenizer
 from maskwire.v1 import common_pb2, grammar_pb2
+from neuron_worker.config import GrammarSettings
 from neuron_worker.grammar_client import GrammarClient, GrammarRequest
 from tests.support.processes import ServiceProcess, free_port, running
 
@@ -108,7 +109,10 @@ async def test_replicas_follow_dns(replicas: list[ServiceProcess], tok: Tokenize
         return list(answers[host])
 
     client = GrammarClient(
-        [], tok.fingerprint.to_proto(), words_per_row=tok.words_per_row, step_timeout_s=10
+        [],
+        tok.fingerprint.to_proto(),
+        words_per_row=tok.words_per_row,
+        settings=GrammarSettings(step_timeout_s=10),
     )
     resolver = Resolver(
         f"dns:///{NAME}:{port}",

@@ -7,6 +7,7 @@ from collections.abc import Collection, Iterator
 
 import pytest
 
+from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.workers import WorkerPool, parse_addresses
 from maskwire.discovery import TargetError
@@ -23,9 +24,9 @@ def fake() -> Iterator[FakeWorkerServer]:
 def test_parse_addresses() -> None:
     assert parse_addresses(["a:1,b:2", " c:3 ", "a:1"]) == ["a:1", "b:2", "c:3"]
     with pytest.raises(ValueError):
-        WorkerPool([""])
+        WorkerPool(GatewayConfig(workers=("",)))
     with pytest.raises(TargetError):
-        WorkerPool(["no-port"])
+        WorkerPool(GatewayConfig(workers=("no-port",)))
 
 
 async def test_dns_target_follows_the_replica_set(fake: FakeWorkerServer) -> None:
@@ -37,9 +38,8 @@ async def test_dns_target_follows_the_replica_set(fake: FakeWorkerServer) -> Non
             raise socket.gaierror(socket.EAI_NONAME, "no such name")
         return ips
 
-    pool = WorkerPool(
-        [f"dns:///workers.example:{fake.port}"], resolve=resolve, health_interval_s=60
-    )
+    config = GatewayConfig(workers=(f"dns:///workers.example:{fake.port}",), health_interval_s=60)
+    pool = WorkerPool(config, resolve=resolve)
     await pool.start()
     try:
         assert [ep.address for ep in pool.endpoints] == [fake.address]

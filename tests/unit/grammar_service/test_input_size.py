@@ -9,7 +9,7 @@ import pytest
 
 from grammar_service.compile_pool import Compiler
 from grammar_service.compiler import input_bytes
-from grammar_service.config import ParserLimits
+from grammar_service.config import CompileSettings, ParserLimits
 from maskwire.rpc import RpcError
 from maskwire.v1 import common_pb2
 
@@ -19,7 +19,7 @@ LIMIT = 1000
 
 @pytest.fixture
 def compiler() -> Iterator[Compiler]:
-    c = Compiler(limits=ParserLimits(), max_schema_bytes=LIMIT)
+    c = Compiler(limits=ParserLimits(), settings=CompileSettings(max_schema_bytes=LIMIT))
     yield c
     c.shutdown()
 

@@ -10,6 +10,7 @@ import pytest
 
 from maskwire.rpc import ACCEPTED_METADATA, RpcError
 from maskwire.v1 import common_pb2, grammar_pb2, grammar_pb2_grpc
+from neuron_worker.config import GrammarSettings
 from neuron_worker.grammar_client import GrammarClient, GrammarRequest
 
 # The fixture's servers and the tests must share one event loop.
@@ -144,7 +145,8 @@ def greq(i: int, regex: str = "x") -> GrammarRequest:
 
 def client(addresses: list[str], **kw: float) -> GrammarClient:
     kw.setdefault("open_timeout_s", 10.0)
-    return GrammarClient(addresses, FP, words_per_row=WORDS, **kw)
+    settings = GrammarSettings(**kw)  # type: ignore[arg-type]
+    return GrammarClient(addresses, FP, words_per_row=WORDS, settings=settings)
 
 
 async def test_least_loaded_placement_and_ordered_fan_out(replicas: list[Replica]) -> None:

@@ -58,10 +58,10 @@ def as_status(call: Callable[[], object]) -> None:
 
 def test_queue_full_is_resource_exhausted() -> None:
     s = sched()
-    s.enqueue(make(0))
-    s.enqueue(make(1))
+    s.enqueue([make(0)])
+    s.enqueue([make(1)])
     with pytest.raises(RpcError) as e:
-        as_status(lambda: s.enqueue(make(2)))
+        as_status(lambda: s.enqueue([make(2)]))
     assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
@@ -69,12 +69,12 @@ def test_admission_fills_free_slots_and_release_reuses_them() -> None:
     s = sched()
     reqs = [make(i) for i in range(2)]
     for r in reqs:
-        s.enqueue(r)
+        s.enqueue([r])
     admitted = s.admit()
     assert admitted == reqs and {r.slot for r in reqs} == {0, 1}
     assert all(r.state is State.RUNNING for r in reqs)
     late = make(9)
-    s.enqueue(late)
+    s.enqueue([late])
     assert s.admit() == []  # no free slot
     slot = reqs[0].slot
     s.release(reqs[0])
@@ -85,7 +85,7 @@ def test_admission_fills_free_slots_and_release_reuses_them() -> None:
 def test_release_of_waiting_request_leaves_the_queue() -> None:
     s = sched()
     r = make(0)
-    s.enqueue(r)
+    s.enqueue([r])
     s.release(r)
     assert s.queue_depth == 0 and r.finished
 
@@ -94,7 +94,7 @@ def test_prefill_budget_splits_admission_but_always_admits_one() -> None:
     s = sched(max_batch=4, max_queue=8, max_prefill_tokens=64)
     big = [make(i, n_prompt=60) for i in range(3)]
     for r in big:
-        s.enqueue(r)
+        s.enqueue([r])
     assert s.admit() == big[:1]  # one 64-token row fits; two would be 128
     assert s.admit() == big[1:2]
 
@@ -112,22 +112,22 @@ def _refused(call: Callable[[], object]) -> RpcError:
 def test_a_client_alone_may_fill_the_whole_queue() -> None:
     s = sched(max_queue=4)
     for i in range(4):
-        assert s.enqueue(make(i, peer="a")) == []
+        assert s.enqueue([make(i, peer="a")]) == []
     _refused(lambda: s.check_room("a", 1))
-    _refused(lambda: s.enqueue(make(9, peer="a")))
+    _refused(lambda: s.enqueue([make(9, peer="a")]))
 
 
 def test_a_client_under_its_share_takes_the_place_of_the_greediest_newest_call() -> None:
     s = sched(max_queue=4)
     greedy = [make(i, peer="a") for i in range(4)]
     for r in greedy:
-        s.enqueue(r)
+        s.enqueue([r])
     s.check_room("b", 2)  # b's fair share is half the queue
     _refused(lambda: s.check_room("b", 3))
-    assert s.enqueue(make(10, peer="b")) == [greedy[3]]
-    assert s.enqueue(make(11, peer="b")) == [greedy[2]]
-    _refused(lambda: s.enqueue(make(12, peer="b")))  # b holds its share now
-    _refused(lambda: s.enqueue(make(13, peer="a")))
+    assert s.enqueue([make(10, peer="b")]) == [greedy[3]]
+    assert s.enqueue([make(11, peer="b")]) == [greedy[2]]
+    _refused(lambda: s.enqueue([make(12, peer="b")]))  # b holds its share now
+    _refused(lambda: s.enqueue([make(13, peer="a")]))
     assert [r.request_id for r in s.waiting] == ["r0", "r1", "r10", "r11"]
 
 
@@ -136,18 +136,27 @@ def test_the_choices_of_a_call_leave_the_queue_together() -> None:
     reqs = [make(0, peer="a"), make(1, peer="a"), make(2, peer="a", group="g")]
     reqs.append(make(3, peer="a", group="g"))
     for r in reqs:
-        s.enqueue(r)
-    assert s.enqueue(make(10, peer="b")) == reqs[2:]
+        s.enqueue([r])
+    assert s.enqueue([make(10, peer="b")]) == reqs[2:]
     assert s.queue_depth == 3
+
+
+def test_the_choices_of_a_call_are_queued_all_or_none() -> None:
+    s = sched(max_queue=4)
+    s.enqueue([make(0, peer="a"), make(1, peer="a")])
+    _refused(lambda: s.enqueue([make(i, peer="a", group="g") for i in range(2, 5)]))
+    assert [r.request_id for r in s.waiting] == ["r0", "r1"]
+    s.enqueue([make(i, peer="a", group="h") for i in range(5, 7)])
+    assert s.queue_depth == 4
 
 
 def test_a_free_slot_goes_to_the_client_with_the_fewest_running() -> None:
     s = sched(max_batch=2, max_queue=8)
     greedy = [make(i, peer="a") for i in range(4)]
     for r in greedy:
-        s.enqueue(r)
+        s.enqueue([r])
     late = make(10, peer="b")
-    s.enqueue(late)
+    s.enqueue([late])
     assert s.admit() == [greedy[0], late]  # first come first, then the client with none running
     s.release(greedy[0])
     assert s.admit() == [greedy[1]]
@@ -157,10 +166,10 @@ def test_between_equals_a_free_slot_goes_to_the_client_admitted_least_recently()
     s = sched(max_batch=1, max_queue=8)
     greedy = [make(i, peer="a") for i in range(3)]
     for r in greedy:
-        s.enqueue(r)
+        s.enqueue([r])
     assert s.admit() == [greedy[0]]
     late = make(10, peer="b")
-    s.enqueue(late)
+    s.enqueue([late])
     s.release(greedy[0])
     assert s.admit() == [late]  # a had the slot last; b's request is younger but goes first
     s.release(late)

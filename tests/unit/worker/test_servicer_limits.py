@@ -16,6 +16,7 @@ import pytest
 from maskwire.rpc import RpcError
 from maskwire.tokenizer import load_tokenizer
 from maskwire.v1 import worker_pb2
+from neuron_worker.config import PromptLimits
 from neuron_worker.servicer import MAX_REQUEST_ID_CHARS, WorkerServicer
 
 TOK = load_tokenizer("default")
@@ -43,9 +44,8 @@ def servicer() -> Iterator[WorkerServicer]:
         CountingTokenizer(),  # type: ignore[arg-type]
         model_name="m",
         device="cpu",
-        max_prompt_tokens=MAX_SEQ - 1,
-        max_prompt_bytes=64 * 1024,
-        tokenizer_threads=1,
+        # The token limit is the context less one (`--max-prompt-tokens 0`).
+        limits=PromptLimits(max_prompt_bytes=64 * 1024, tokenizer_threads=1),
     )
     yield s
     s.close()

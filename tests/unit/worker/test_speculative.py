@@ -641,6 +641,7 @@ async def test_penalty_and_logprob_requests_are_not_speculated(sampling: dict[st
     """Penalties and logprobs are computed per sampled position from the tokens before it, which
     a draft position does not have: the servicer turns speculation off for such requests. The
     same prompt without them is speculated on the same engine."""
+    from neuron_worker.config import PromptLimits
     from neuron_worker.servicer import WorkerServicer
 
     engine, model = make_engine(overlap=True, limit=30, speculative=token_drafts(4))
@@ -650,9 +651,7 @@ async def test_penalty_and_logprob_requests_are_not_speculated(sampling: dict[st
         TOK,
         model_name="fake",
         device="cpu",
-        max_prompt_tokens=200,
-        max_prompt_bytes=1 << 16,
-        tokenizer_threads=1,
+        limits=PromptLimits(max_prompt_tokens=200, max_prompt_bytes=1 << 16, tokenizer_threads=1),
     )
     prompt = worker_pb2.TokenIds(ids=make_request(1, constrained=False, max_tokens=1).prompt)
     try:
