@@ -7,7 +7,10 @@ bf16 matrix engines (AMX, through oneDNN). So a `ServingLinear` keeps both forms
 role picks one: `project(layer, x, quantized=True)` for the tokens a request generates (decode,
 jump-forward, draft verification), the dense weight for prompts. The role, not the pass's size,
 decides, so a token gets the same weights (and the same logits, bit for bit) whatever else shares
-its pass: greedy output does not depend on how requests happen to be batched.
+its pass: greedy output does not depend on how requests happen to be batched. For the same reason
+the decode form is one per kind of projection for every pass, never one per pass size, when
+`--quantize auto` times the forms on the host (`neuron_worker.kernel_choice`, which times them
+through `DecodeForm`).
 
 Dense weights are prepacked once into oneDNN's blocked layout (what inductor's freezing would do,
 which it cannot cache: a frozen graph is recompiled at every start): bf16 where oneDNN has a bf16
