@@ -66,9 +66,10 @@ log = logging.getLogger(__name__)
 MARGIN = 0.10  # another candidate replaces the default only when it scores this much lower
 WARMUP = 1  # untimed calls per candidate and width
 SAMPLES = 10  # timed calls per candidate and width (the fastest counts)
-FOOTPRINT_CACHES = 2  # a sweep reads this many times the last-level cache
+FOOTPRINT_CACHES = 2  # a candidate's copies fill this many times the last-level cache
 FALLBACK_CACHE = 32 << 20  # the last-level cache's size where /sys does not say it
-MAX_FOOTPRINT = 512 << 20  # the most memory one candidate's copies take
+MAX_FOOTPRINT = 512 << 20  # the most memory a kind's copies take (all candidates, beyond one each)
+MAX_COPIES = 1024  # copies of a tiny weight (never a real model's) stop here
 CACHE_FORMAT = 1  # bump when the file's layout or the measuring method changes
 DENSE = "none"  # the dense form's scheme (as `ServingLinear` names it)
 
@@ -283,18 +284,19 @@ def measure_table(kinds: Sequence[Kind], rows: Sequence[int], dtype: torch.dtype
     with torch.inference_mode():
         for kind in kinds:
             out_features, in_features = kind.shape
-            weight = (torch.randn(out_features, in_features, generator=g) * 0.02).to(dtype)
+            weight = torch.randn(out_features, in_features, generator=g, dtype=dtype) * 0.02
+            room = MAX_FOOTPRINT // len(kind.candidates)
             rotations = {}
             for scheme in kind.candidates:
                 form = DecodeForm.of(weight, scheme)
                 size = max(form.nbytes, 1)
-                copies = max(1, min(math.ceil(footprint / size), MAX_FOOTPRINT // size))
+                copies = max(1, min(math.ceil(footprint / size), room // size, MAX_COPIES))
                 rotations[scheme] = itertools.cycle(
                     [form, *(form.copy() for _ in range(copies - 1))]
                 )
             table[kind.name] = {scheme: {} for scheme in kind.candidates}
             for r in rows:
-                x = torch.randn(r, in_features, generator=g).to(dtype)
+                x = torch.randn(r, in_features, generator=g, dtype=dtype)
                 for scheme, ms in _fastest_ms(rotations, x).items():
                     table[kind.name][scheme][r] = ms
             del rotations

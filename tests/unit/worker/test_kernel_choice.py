@@ -132,6 +132,20 @@ def test_one_path_per_kind_whatever_wins_at_each_width(tmp_path: Path) -> None:
             assert torch.equal(shared[:1], alone), n
 
 
+def test_every_candidate_is_timed_at_every_width(tmp_path: Path) -> None:
+    """The real timing, on the tiny model's shapes: a time for each kind, candidate and width,
+    and a choice among the candidates."""
+    model = tiny_model()
+    kinds = kernel_choice.kinds_of(model, {})
+    table = kernel_choice.measure_table(kinds, (1, 3), serving_dtype())
+    for kind in kinds:
+        assert set(table[kind.name]) == set(kind.candidates)
+        for times in table[kind.name].values():
+            assert set(times) == {1, 3} and all(0 < t < 1000 for t in times.values())
+    choice = choose(model, {}, (1, 3), directory=tmp_path)
+    assert all(choice.schemes[k.name] in k.candidates for k in kinds)
+
+
 def test_a_restart_reads_the_cached_table_and_a_new_key_times_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
