@@ -40,7 +40,9 @@ WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 def load_worker_model(config: WorkerConfig, backend: Backend) -> Transformer:
     """The model as the worker serves it: `--model` in the settings' dtype, with the serving
-    kernels and the settings' quantization (a sharded model gets those after sharding)."""
+    kernels and the settings' quantization (a sharded model gets those after sharding; "auto":
+    timed at the widths of the engine's decode passes)."""
+    from neuron_worker.kernel_choice import decode_rows
     from neuron_worker.model import load_model
 
     return load_model(
@@ -49,6 +51,7 @@ def load_worker_model(config: WorkerConfig, backend: Backend) -> Transformer:
         dtype=config.tuning.dtype,
         serving=config.model.tensor_parallel_size == 1,
         quantize=config.tuning.quantize,
+        decode_rows=decode_rows(config.engine),
     ).eval()
 
 

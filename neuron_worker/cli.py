@@ -59,9 +59,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         "--quantize",
         choices=("auto", "none", "int4", "int8"),
         default="auto",
-        help="weight-only quantized kernels for decode passes on CPU (bfloat16 activations); "
-        "auto: int4 when the checkpoint's weights are Q4_1 already (the embedded SmolLM2: exact), "
-        "else none; int8 and int4 on other checkpoints round the weights",
+        help="weight-only quantized kernels for decode passes on CPU; auto: when the checkpoint's "
+        "weights are Q4_1 already (the embedded SmolLM2), each kind of projection takes the "
+        "fastest of int4 (exact), int8 and dense bf16 as timed at start (cached in the compile "
+        "cache), else none; int4, int8, none: that path, untimed (int4 and int8 on other "
+        "checkpoints round the weights)",
     )
     g.add_argument(
         "--tensor-parallel-size",

@@ -1,12 +1,14 @@
 """The worker's `auto` settings, decided once at start from the device and the checkpoint.
 
 The defaults are the fast configuration (what `maskwire up` runs and the benchmarks measure):
-compiled graphs, bf16 where the CPU computes it natively (fp32 elsewhere), 4-bit weights for
-decode when the checkpoint's weights are 4-bit already (a Q4_1 GGUF: the quantized model is then
-the checkpoint itself) and the CPU runs a 4-bit kernel for the chosen dtype (bf16: aten's or the
-worker's own; fp32: the worker's own, AVX2), and a compile cache that survives restarts. Every choice is logged, and
-each has a flag that overrides it (eager and fp32 stay available for debugging and for the tests
-that compare with transformers).
+compiled graphs, bf16 where the CPU computes it natively (fp32 elsewhere), quantized weights for
+decode when the checkpoint's weights are 4-bit already (a Q4_1 GGUF: the 4-bit model is then the
+checkpoint itself) and the CPU runs a 4-bit kernel for the chosen dtype (bf16: aten's or the
+worker's own; fp32: the worker's own, AVX2), and a compile cache that survives restarts. Which
+kernel each kind of projection then runs (4-bit, 8-bit, dense) is measured when the model loads
+(`quantize` "auto": `neuron_worker.kernel_choice`). Every choice is logged, and each has a flag
+that overrides it (eager and fp32 stay available for debugging and for the tests that compare
+with transformers).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class Tuning:
     dtype: torch.dtype
     compile: bool
-    quantize: str  # none | int4 | int8
+    quantize: str  # none | int4 | int8 | auto (each kind timed at load: `kernel_choice`)
     warmup: bool
     compile_cache: Path | None
     overlap: bool
@@ -125,11 +127,9 @@ def resolve(
             )
     compiled = compile if compile is not None else device in ("cpu", "cuda")
     if quantize == "auto":
-        quantize = (
-            "int4"
-            if device == "cpu" and fast_int4(resolved_dtype) and q4_checkpoint(spec)
-            else "none"
-        )
+        # Timed among int4, int8 and dense where the 4-bit model is the checkpoint and fast.
+        eligible = device == "cpu" and fast_int4(resolved_dtype) and q4_checkpoint(spec)
+        quantize = "auto" if eligible else "none"
     elif quantize != "none" and device != "cpu":
         raise ConfigError(f"--quantize {quantize} needs --device cpu (its kernels are CPU ones)")
     if quantize != "none" and resolved_dtype not in (torch.bfloat16, torch.float32):

@@ -169,6 +169,15 @@ def _choose() -> tuple[KernelSet | None, str]:
     return runnable[0], ""
 
 
+def sources_digest() -> str:
+    """A hash of every kernel source and header: what the kernels compute, for keys of what was
+    measured with them (`neuron_worker.kernel_choice`)."""
+    h = hashlib.sha256()
+    for path in sorted((*_HERE.glob("*.cpp"), *_HERE.glob("*.h"))):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def compiler() -> str | None:
     """The C++ compiler: $CXX, else c++ or g++ on PATH."""
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")

@@ -7,7 +7,10 @@ bf16 matrix engines (AMX, through oneDNN). So a `ServingLinear` keeps both forms
 role picks one: `project(layer, x, quantized=True)` for the tokens a request generates (decode,
 jump-forward, draft verification), the dense weight for prompts. The role, not the pass's size,
 decides, so a token gets the same weights (and the same logits, bit for bit) whatever else shares
-its pass: greedy output does not depend on how requests happen to be batched.
+its pass: greedy output does not depend on how requests happen to be batched. For the same reason
+the decode form is one per kind of projection for every pass, never one per pass size, when
+`--quantize auto` times the forms on the host (`neuron_worker.kernel_choice`, which times them
+through `DecodeForm`).
 
 Dense weights are prepacked once into oneDNN's blocked layout (what inductor's freezing would do,
 which it cannot cache: a frozen graph is recompiled at every start): bf16 where oneDNN has a bf16
@@ -246,9 +249,8 @@ class ServingLinear(nn.Module):
             if torch.compiler.is_compiling():
                 y = packed_linear(x, self.handle, self.out_features)
             else:  # eager: the kernel itself, without the custom op's Python dispatch
-                y = torch.ops.mkldnn._linear_pointwise(
-                    x.reshape(-1, self.in_features), self.packed, None, "none", [], ""
-                ).reshape(*x.shape[:-1], self.out_features)
+                y = _packed_matmul(x.reshape(-1, self.in_features), self.packed)
+                y = y.reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         return nn.functional.linear(x, self.weight, self.bias)
 
@@ -263,17 +265,70 @@ class ServingLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _quantized(self, x: Tensor) -> Tensor:
-        if self.kernel == "own-bf16" and self.quantize == "int4":
-            return kernels.int4_matmul(x, self.q_weight, self.q_scales)
-        if self.kernel == "own-bf16":
-            return kernels.int8_matmul(x, self.q_weight, self.q_scales)
-        if self.kernel == "own-f32" and self.quantize == "int4":
-            return kernels.int4_matmul_f32(x, self.q_weight, self.q_scales)
-        if self.kernel == "own-f32":
-            return kernels.int8_matmul_f32(x, self.q_weight, self.q_scales)
-        if self.quantize == "int4":
-            return aten_int4_mm(x, self.q_weight, self.q_scales)
-        return torch.ops.aten._weight_int8pack_mm(x, self.q_weight, self.q_scales)
+        assert self.kernel is not None
+        return _quantized_matmul(x, self.quantize, self.kernel, self.q_weight, self.q_scales)
+
+
+def _packed_matmul(x: Tensor, packed: Tensor) -> Tensor:
+    """`x @ W^T` for x [rows, in] and a oneDNN-prepacked W."""
+    y: Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return y
+
+
+def _quantized_matmul(
+    x: Tensor, scheme: str, kernel: str, packed: Tensor, scales: Tensor
+) -> Tensor:
+    """`x @ W^T` for x [rows, in] and W's `scheme` form in `kernel`'s layout (`_quantized_form`)."""
+    if kernel == "own-bf16" and scheme == "int4":
+        return kernels.int4_matmul(x, packed, scales)
+    if kernel == "own-bf16":
+        return kernels.int8_matmul(x, packed, scales)
+    if kernel == "own-f32" and scheme == "int4":
+        return kernels.int4_matmul_f32(x, packed, scales)
+    if kernel == "own-f32":
+        return kernels.int8_matmul_f32(x, packed, scales)
+    if scheme == "int4":
+        return aten_int4_mm(x, packed, scales)
+    y: Tensor = torch.ops.aten._weight_int8pack_mm(x, packed, scales)
+    return y
+
+
+@dataclass(frozen=True)
+class DecodeForm:
+    """One weight's form for the decode role, outside any layer: what `ServingLinear` would run
+    for its `scheme` ("none": the dense weight, prepacked where `can_pack`), to time it
+    (`neuron_worker.kernel_choice`). Nothing is registered: the form goes with the object."""
+
+    scheme: str
+    kernel: str  # `kernel_for`'s name; "onednn" (prepacked) or "aten" for the dense form
+    tensors: tuple[Tensor, ...]
+
+    @classmethod
+    def of(cls, weight: Tensor, scheme: str) -> DecodeForm:
+        if scheme == "none":
+            if can_pack(weight):
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+                return cls(scheme, "onednn", (packed,))
+            return cls(scheme, "aten", (weight.detach(),))
+        kernel = kernel_for(weight, scheme)
+        return cls(scheme, kernel, _quantized_form(weight, scheme, kernel, None))
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """`x @ W^T`, x [rows, in]."""
+        if self.scheme != "none":
+            return _quantized_matmul(x, self.scheme, self.kernel, *self.tensors)
+        if self.kernel == "onednn":
+            return _packed_matmul(x, self.tensors[0])
+        return nn.functional.linear(x, self.tensors[0])
+
+    def copy(self) -> DecodeForm:
+        """The same form in memory of its own (a prepacked weight too: it clones)."""
+        return DecodeForm(self.scheme, self.kernel, tuple(t.clone() for t in self.tensors))
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a pass reads (a prepacked weight's padding aside)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 def project(layer: nn.Module, x: Tensor, quantized: bool) -> Tensor:

@@ -27,6 +27,9 @@ from neuron_worker.model.linear import (
     project,
 )
 
+# The projections by kind: fused q/k/v, attention output, fused gate/up, down, LM head.
+PROJECTION_KINDS = ("wqkv", "wo", "w13", "w2", "head")
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -290,17 +293,18 @@ class Transformer(nn.Module):
 
     def use_serving_linears(
         self,
-        quantize: str = "none",
+        quantize: str | Mapping[str, str] = "none",
         sources: Mapping[str, ExactWeight] | None = None,
     ) -> None:
         """Swap every projection and the LM head for `ServingLinear`s
         (`neuron_worker.model.linear`): oneDNN-prepacked weights on CPU, and with
-        `quantize` a weight-only form that `step_logits` uses (the layers; the head too where
-        `sources` holds its quants and one of the worker's kernels runs them: the embedded
-        model's Q8_0 tied embedding); and passes of one token per row attend through
-        `neuron_worker.kernels.decode_attention` where it runs the cache's dtype.
+        `quantize` a weight-only form that `step_logits` uses; and passes of one token per row
+        attend through `neuron_worker.kernels.decode_attention` where it runs the cache's dtype.
+        `quantize`: one scheme for every layer (the head then takes `head_scheme`'s where the
+        scheme is not "none"), or one per kind of `PROJECTION_KINDS` (`neuron_worker.
+        kernel_choice`; the head's "none" or `head_scheme`'s). Only the chosen forms are built.
         `sources`: canonical per-tensor quantized weights to use as they are (a GGUF's own Q4_1
-        and Q8_0 tensors) where their scheme is `quantize`'s, else each is quantized from its
+        and Q8_0 tensors) where their scheme is the layer's, else each is quantized from its
         floats."""
         src = sources or {}
         weight = self.tok_embeddings.weight
@@ -309,6 +313,15 @@ class Transformer(nn.Module):
             and self.config.head_dim in (32, 64, 128)
             and kernels.attention_available(weight.dtype)
         )
+        head = self.head_scheme(src)
+        if isinstance(quantize, str):
+            scheme = quantize
+            choice = dict.fromkeys(PROJECTION_KINDS, scheme)
+            choice["head"] = head if scheme != "none" and head is not None else "none"
+        else:
+            choice = dict(quantize)
+            if choice["head"] not in ("none", head):
+                raise ValueError(f"the LM head takes 'none' or {head!r}, not {choice['head']!r}")
 
         def fused(prefix: str, names: tuple[str, ...]) -> ExactWeight | None:
             found = [src.get(f"{prefix}{n}.weight") for n in names]
@@ -326,20 +339,42 @@ class Transformer(nn.Module):
             assert isinstance(layer, TransformerBlock)
             p = f"layers.{i}."
             attn, ffn = layer.attention, layer.feed_forward
-            attn.wqkv = serving(attn.wqkv, fused(p + "attention.", ("wq", "wk", "wv")), quantize)
-            attn.wo = serving(attn.wo, src.get(f"{p}attention.wo.weight"), quantize)
-            ffn.w13 = serving(ffn.w13, fused(p + "feed_forward.", ("w1", "w3")), quantize)
-            ffn.w2 = serving(ffn.w2, src.get(f"{p}feed_forward.w2.weight"), quantize)
+            attn.wqkv = serving(
+                attn.wqkv, fused(p + "attention.", ("wq", "wk", "wv")), choice["wqkv"]
+            )
+            attn.wo = serving(attn.wo, src.get(f"{p}attention.wo.weight"), choice["wo"])
+            ffn.w13 = serving(ffn.w13, fused(p + "feed_forward.", ("w1", "w3")), choice["w13"])
+            ffn.w2 = serving(ffn.w2, src.get(f"{p}feed_forward.w2.weight"), choice["w2"])
             attn.decode_kernel = decode_kernel
-        # The head's quantized form only where the checkpoint stores it so (no new rounding of
-        # the logits; tied, it is the embedding's, Q8_0 in the embedded model) and one of the
-        # worker's own kernels runs it.
-        head = src.get("tok_embeddings.weight" if self.config.tie_embeddings else "output.weight")
+        self.output = serving(self.output, src.get(self._head_name), choice["head"])
+
+    @property
+    def _head_name(self) -> str:
+        return "tok_embeddings.weight" if self.config.tie_embeddings else "output.weight"
+
+    def head_scheme(self, sources: Mapping[str, ExactWeight]) -> str | None:
+        """The LM head's one quantized scheme, or None: the checkpoint's own (no new rounding of
+        the logits; tied, it is the embedding's, Q8_0 in the embedded model), where `sources`
+        holds it and one of the worker's own kernels runs it."""
+        head = sources.get(self._head_name)
+        if head is None:
+            return None
         scheme = "int4" if isinstance(head, Int4Weight) else "int8"
         assert isinstance(self.output, nn.Linear | ServingLinear)
-        own = kernel_for(self.output.weight, scheme).startswith("own")
-        quantize_head = quantize != "none" and head is not None and own
-        self.output = serving(self.output, head, scheme if quantize_head else "none")
+        return scheme if kernel_for(self.output.weight, scheme).startswith("own") else None
+
+    def projection_weights(self) -> dict[str, Tensor]:
+        """Each kind's (dense) weight [out, in] (`PROJECTION_KINDS`): the first layer's, every
+        layer's being alike in shape and dtype, and the LM head's."""
+        layer = self.layers[0]
+        assert isinstance(layer, TransformerBlock)
+        attn, ffn = layer.attention, layer.feed_forward
+        mods = {"wqkv": attn.wqkv, "wo": attn.wo, "w13": ffn.w13, "w2": ffn.w2, "head": self.output}
+        weights = {}
+        for kind, mod in mods.items():
+            assert isinstance(mod, nn.Linear | ServingLinear)
+            weights[kind] = mod.weight
+        return weights
 
     @property
     def attends_in_place(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -51,13 +52,16 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     serving: bool = False,
     quantize: str = "none",
+    decode_rows: Sequence[int] = (1,),
 ) -> Transformer:
     """SPEC: 'default' (embedded SmolLM2 GGUF), a .gguf path, or a HF checkpoint dir.
 
     `serving`: the worker's linear kernels (`Transformer.use_serving_linears`: prepacked bf16
     on CPU; with `quantize`, weight-only kernels for the passes over generated tokens; a GGUF's
-    Q4_1 and Q8_0 weights are used exactly as stored). Off: plain `nn.Linear`s, the
-    reference the tests compare with transformers."""
+    Q4_1 and Q8_0 weights are used exactly as stored). `quantize` "auto": each kind of
+    projection takes the kernel that `neuron_worker.kernel_choice` times fastest on this host at
+    the widths `decode_rows`. Off: plain `nn.Linear`s, the reference the tests compare with
+    transformers."""
     config, weights = read_checkpoint(spec)
     model = build_model(config, weights, device=device, dtype=dtype)
     if serving:
@@ -66,7 +70,12 @@ def load_model(
             path = resolve_spec(spec)
             if path.suffix == ".gguf":
                 sources = gguf_quantized_weights(path, config)
-        model.use_serving_linears(quantize, sources)
+        schemes: str | Mapping[str, str] = quantize
+        if quantize == "auto":
+            from neuron_worker.kernel_choice import choose  # it imports this package
+
+            schemes = choose(model, sources or {}, decode_rows).schemes
+        model.use_serving_linears(schemes, sources)
     return model
 
 

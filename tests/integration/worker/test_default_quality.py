@@ -1,8 +1,9 @@
 """The worker's default configuration on the real model, against the reference.
 
 Integration workers run the reference configuration (eager float32, no quantization); users run
-the defaults (compiled, bf16 activations where the CPU computes them natively, 4-bit decode
-kernels and the Q8_0 head from the Q4_1 checkpoint). Here the embedded SmolLM2 runs both through
+the defaults (compiled, bf16 activations where the CPU computes them natively, the decode kernels
+timed fastest on the host: on an AVX512-BF16 CPU the 4-bit ones and the Q8_0 head from the Q4_1
+checkpoint). Here the embedded SmolLM2 runs both through
 the worker's own model, kernels and graphs (`tests.support.quality`), on fixed chat prompts:
 greedy continuations, and logits teacher-forced on the reference's tokens. So do
 `--quantize int8`, the model loaded from a Hugging Face checkpoint directory (the GGUF's weights

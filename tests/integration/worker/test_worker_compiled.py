@@ -1,7 +1,7 @@
-"""A real worker in its default, fast configuration (compiled graphs, bf16 where native, int4
-decode kernels from the Q4_1 checkpoint), with its own compile cache: every graph is built
-before the worker reports ready, a mixed load compiles nothing more, and a restart loads every
-graph from the cache instead of compiling it.
+"""A real worker in its default, fast configuration (compiled graphs, bf16 where native, the
+decode kernels timed fastest on this host from the Q4_1 checkpoint), with its own compile cache:
+every graph is built before the worker reports ready, a mixed load compiles nothing more, and a
+restart loads every graph (and the kernels' timings) from the cache instead of compiling it.
 
 Slow: the cold start compiles the 30-layer model's two graphs and the sampler (minutes on a
 2-core host).
@@ -46,10 +46,11 @@ SETTINGS = re.compile(r"compile cache \S+: (\d+) graphs loaded from it, (\d+) co
 def expected_settings() -> str:
     if TEST_WORKER_DEVICE == "cuda":  # native bf16; the 4-bit kernels are CPU ones
         return "worker settings: dtype bfloat16, compiled, quantize none, CUDA graphs on"
+    # auto: the decode kernels timed at load (`neuron_worker.kernel_choice`)
     if native_bf16("cpu"):
-        return "worker settings: dtype bfloat16, compiled, quantize int4"
-    if cpu_kernel_set() is not None:  # the AVX2 kernel: fp32 activations, 4-bit weights
-        return "worker settings: dtype float32, compiled, quantize int4"
+        return "worker settings: dtype bfloat16, compiled, quantize auto"
+    if cpu_kernel_set() is not None:  # the AVX2 kernels: fp32 activations, 4- or 8-bit weights
+        return "worker settings: dtype float32, compiled, quantize auto"
     return "worker settings: dtype float32, compiled, quantize none"
 
 
@@ -95,6 +96,9 @@ def test_the_default_configuration_compiles_everything_before_ready(
     assert expected_settings() in log
     loaded, compiled = cache_use(worker)
     assert loaded == 0 and compiled > 0
+    # the decode kernels were timed (their table logged) and cached with the graphs
+    timed = "quantize auto" in expected_settings()
+    assert ("decode kernels timed in" in log) == timed, log[-3000:]
     # Each warm-up graph is logged with its time, so an operator sees where a cold start goes.
     total = re.search(r"warm-up ran (\d+) graphs", log)
     assert total, log[-3000:]
@@ -188,6 +192,8 @@ async def test_a_restart_loads_every_graph_from_the_cache(
     with stack.worker(port, COLD_START_S) as again:
         loaded, compiled = cache_use(again)
         assert compiled == 0 and loaded == sum(cache_use(first))
+        timed = "quantize auto" in expected_settings()
+        assert ("decode kernels read from" in again.log_text()) == timed
         results = await mixed_load(again.address)
         check(results)
         assert metric(port, "maskwire_worker_compiles_while_serving_total") == 0

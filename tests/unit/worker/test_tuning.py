@@ -29,30 +29,33 @@ def bf16_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tuning, "native_bf16", lambda device: True)
 
 
-def test_the_default_on_a_bf16_cpu_is_compiled_bf16_int4_with_a_cache(bf16_cpu: None) -> None:
+def test_the_default_on_a_bf16_cpu_is_compiled_bf16_timed_kernels_with_a_cache(
+    bf16_cpu: None,
+) -> None:
+    # "auto": each kind of projection takes the decode kernel timed fastest at load
     t = settings()
-    assert (t.dtype, t.compile, t.quantize, t.warmup) == (torch.bfloat16, True, "int4", True)
+    assert (t.dtype, t.compile, t.quantize, t.warmup) == (torch.bfloat16, True, "auto", True)
     assert t.compile_cache == compile_cache.default_root()
-    assert "dtype bfloat16, compiled, quantize int4" in t.describe()
+    assert "dtype bfloat16, compiled, quantize auto" in t.describe()
     # a CPU forward dwarfs the grammar round trip: forced tokens ride with the sampled one
     assert not t.overlap and "grammar overlap off" in t.describe()
     assert settings(overlap=True).overlap
 
 
-def test_without_native_bf16_the_default_is_fp32_with_the_avx2_int4_kernel(
+def test_without_native_bf16_the_default_is_fp32_with_the_avx2_kernels(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(tuning, "native_bf16", lambda device: False)
     monkeypatch.setattr(kernels, "cpu_kernel_set", lambda: kernels.KERNEL_SETS[-1])
     t = settings()
-    assert (t.dtype, t.compile, t.quantize) == (torch.float32, True, "int4")
+    assert (t.dtype, t.compile, t.quantize) == (torch.float32, True, "auto")
     # no kernel for fp32 here: aten's fp32 int4 is slower than dense weights
     monkeypatch.setattr(kernels, "cpu_kernel_set", lambda: None)
     t = settings()
     assert (t.dtype, t.compile, t.quantize) == (torch.float32, True, "none")
 
 
-def test_int4_auto_only_for_a_q4_1_checkpoint(bf16_cpu: None, tmp_path: Path) -> None:
+def test_timed_kernels_only_for_a_q4_1_checkpoint(bf16_cpu: None, tmp_path: Path) -> None:
     assert tuning.q4_checkpoint("default")
     not_gguf = tmp_path / "model.gguf"
     not_gguf.write_bytes(b"not a gguf file")

@@ -1,0 +1,203 @@
+"""The decode kernel per kind of projection, chosen by timing (`neuron_worker.kernel_choice`):
+the selection with injected timings, the cache of the table, and the model it configures."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuron_worker import compile_cache, kernel_choice
+from neuron_worker.drafter import DraftConfig
+from neuron_worker.engine_config import EngineConfig
+from neuron_worker.kernel_choice import Kind, Table, choose, decode_rows, pick, scores
+from neuron_worker.model import Transformer, build_model, load_model
+from neuron_worker.model.linear import ServingLinear
+from neuron_worker.model.llama import PROJECTION_KINDS
+from tests.unit.model.tiny import SERVING, random_weights, serving_dtype
+
+LAYERS = Kind("w13", (3072, 576), ("int4", "int8", "none"), ("own-bf16", "own-bf16", "onednn"))
+WIDTHS = (1, 2, 4, 8)
+
+
+def flat(ms: Mapping[str, float]) -> dict[str, dict[int, float]]:
+    """Each candidate's time, the same at every width."""
+    return {c: dict.fromkeys(WIDTHS, t) for c, t in ms.items()}
+
+
+def test_the_score_is_the_geometric_mean_of_time_relative_to_the_fastest() -> None:
+    times = {"int4": {1: 1.0, 8: 4.0}, "int8": {1: 2.0, 8: 2.0}, "none": {1: 4.0, 8: 2.0}}
+    got = scores(times)
+    # fastest at 1: int4; at 8: int8 and dense; ratios int4 1, 2; int8 2, 1; dense 4, 1
+    assert got == pytest.approx({"int4": math.sqrt(2), "int8": math.sqrt(2), "none": 2.0})
+    # a tie keeps the default, whatever the order of the candidates
+    assert pick(LAYERS, times) == "int4"
+
+
+@pytest.mark.parametrize("winner", ["int4", "int8", "none"])
+def test_each_candidate_wins_where_it_is_clearly_faster(winner: str) -> None:
+    times = flat({c: 0.5 if c == winner else 1.0 for c in LAYERS.candidates})
+    assert pick(LAYERS, times) == winner
+
+
+def test_another_candidate_needs_to_beat_the_default_by_the_margin() -> None:
+    assert kernel_choice.MARGIN == 0.10
+    assert pick(LAYERS, flat({"int4": 1.0, "int8": 0.95, "none": 2.0})) == "int4"  # noise
+    assert pick(LAYERS, flat({"int4": 1.0, "int8": 0.85, "none": 2.0})) == "int8"
+    assert pick(LAYERS, flat({"int4": 1.0, "int8": 0.85, "none": 0.8})) == "none"
+    # the head's default is its stored scheme, first in its candidates
+    head = Kind("head", (49152, 576), ("int8", "none"), ("own-bf16", "onednn"))
+    assert pick(head, flat({"int8": 1.0, "none": 0.95})) == "int8"
+    assert pick(head, flat({"int8": 1.0, "none": 0.5})) == "none"
+
+
+def test_the_widths_are_every_decode_pass_and_the_verification_ones() -> None:
+    assert decode_rows(EngineConfig()) == (1, 2, 3, 4, 5, 6, 7, 8)
+    assert decode_rows(EngineConfig(max_batch=32)) == (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
+    spec = EngineConfig(speculative=DraftConfig(pass_tokens=8))  # the CPU's default limit
+    assert decode_rows(spec) == (1, 2, 3, 4, 5, 6, 7, 8, 13)  # 13: 1 + 4 drafts + 8 forced
+    unlimited = EngineConfig(max_batch=4, speculative=DraftConfig(num_draft_tokens=2))
+    assert decode_rows(unlimited) == (1, 2, 3, 4, 11, 44)
+
+
+def tiny_model() -> Transformer:
+    return build_model(SERVING, random_weights(SERVING), dtype=serving_dtype())
+
+
+class Timer:
+    """A `measure` that hands out `winners[width]` as the fastest at each width (others
+    twice as slow), and counts its calls."""
+
+    def __init__(self, winners: Mapping[int, str] | None = None) -> None:
+        self.winners = winners or {}
+        self.calls = 0
+
+    def __call__(self, kinds: Sequence[Kind], rows: Sequence[int], dtype: torch.dtype) -> Table:
+        self.calls += 1
+        return {
+            k.name: {
+                c: {r: 1.0 if self.winners.get(r, k.default) == c else 2.0 for r in rows}
+                for c in k.candidates
+            }
+            for k in kinds
+        }
+
+
+def test_one_path_per_kind_whatever_wins_at_each_width(tmp_path: Path) -> None:
+    """Batch invariance: whichever candidate is fastest at which width, each kind gets one
+    scheme for every decode pass, and a row's logits are the same whatever shares its pass."""
+    model = tiny_model()
+    kinds = {k.name: k for k in kernel_choice.kinds_of(model, {})}
+    layer_candidates = kinds["wqkv"].candidates
+    if len(layer_candidates) < 2:
+        pytest.skip("one decode kernel for the layers on this CPU: nothing to choose")
+    # the last candidate fastest at one width, the first beyond the default at the others
+    best = layer_candidates[1]
+    winners = {WIDTHS[0]: layer_candidates[-1]} | dict.fromkeys(WIDTHS[1:], best)
+    choice = choose(model, {}, WIDTHS, directory=tmp_path, measure=Timer(winners))
+    assert set(choice.schemes) == set(PROJECTION_KINDS)
+    assert choice.schemes["wqkv"] == best  # the best score over every width
+    assert choice.schemes["head"] == "none"  # no stored quants: the dense head only
+    model.use_serving_linears(choice.schemes)
+    for kind in ("wqkv", "wo", "w13", "w2"):
+        layers = [m for n, m in model.named_modules() if n.endswith(kind)]
+        assert len(layers) == SERVING.n_layers
+        assert {m.quantize for m in layers if isinstance(m, ServingLinear)} == {
+            choice.schemes[kind]
+        }
+    # a row's logits through the chosen kernels, alone or in passes of other widths
+    model.setup_caches(8, 32)
+    kv = torch.arange(32)
+    tokens = torch.arange(8).reshape(8, 1) * 7 % SERVING.vocab_size
+    with torch.inference_mode():
+        for n in (8, 1):
+            model.step_logits(
+                tokens[:n] + 1,
+                torch.zeros(n, 1, dtype=torch.long),
+                torch.arange(n),
+                kv,
+                torch.arange(n),
+            )
+        alone = model.step_logits(
+            tokens[:1], torch.ones(1, 1, dtype=torch.long), torch.arange(1), kv, torch.arange(1)
+        )
+        for n in (2, 5, 8):
+            shared = model.step_logits(
+                tokens[:n], torch.ones(n, 1, dtype=torch.long), torch.arange(n), kv, torch.arange(n)
+            )
+            assert torch.equal(shared[:1], alone), n
+
+
+def test_every_candidate_is_timed_at_every_width(tmp_path: Path) -> None:
+    """The real timing, on the tiny model's shapes: a time for each kind, candidate and width,
+    and a choice among the candidates."""
+    model = tiny_model()
+    kinds = kernel_choice.kinds_of(model, {})
+    table = kernel_choice.measure_table(kinds, (1, 3), serving_dtype())
+    for kind in kinds:
+        assert set(table[kind.name]) == set(kind.candidates)
+        for times in table[kind.name].values():
+            assert set(times) == {1, 3} and all(0 < t < 1000 for t in times.values())
+    choice = choose(model, {}, (1, 3), directory=tmp_path)
+    assert all(choice.schemes[k.name] in k.candidates for k in kinds)
+
+
+def test_a_restart_reads_the_cached_table_and_a_new_key_times_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = tiny_model()
+    timer = Timer()
+    first = choose(model, {}, WIDTHS, directory=tmp_path, measure=timer)
+    assert timer.calls == 1 and first.origin.startswith("timed in")
+    files = list(tmp_path.glob("choice-*.json"))
+    assert len(files) == 1 and str(files[0]) in first.origin
+    caplog.set_level("INFO", logger="neuron_worker.kernel_choice")
+    again = choose(model, {}, WIDTHS, directory=tmp_path, measure=timer)
+    assert timer.calls == 1 and again.origin == f"read from {files[0]}"
+    assert (again.schemes, again.table) == (first.schemes, first.table)
+    # the table is logged, with where it came from and the choice per kind
+    assert f"decode kernels read from {files[0]}" in caplog.text
+    assert "wqkv [" in caplog.text and "-> " in caplog.text
+    # another key: other widths, another CPU, another thread count
+    choose(model, {}, (1, 2), directory=tmp_path, measure=timer)
+    assert timer.calls == 2
+    monkeypatch.setattr(kernel_choice, "cpu_identity", lambda: "another CPU | avx512f amx_tile")
+    choose(model, {}, WIDTHS, directory=tmp_path, measure=timer)
+    assert timer.calls == 3
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
+    choose(model, {}, WIDTHS, directory=tmp_path, measure=timer)
+    assert timer.calls == 4
+    monkeypatch.undo()
+    # a damaged file is timed again (and rewritten)
+    files[0].write_text("{not json")
+    choose(model, {}, WIDTHS, directory=tmp_path, measure=timer)
+    assert timer.calls == 5 and json.loads(files[0].read_text())["table"]
+    assert "unusable" in caplog.text
+
+
+def test_a_forced_quantize_times_nothing_and_auto_takes_the_measured_choice(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(compile_cache, "_root", tmp_path)
+
+    def fail(kinds: Sequence[Kind], rows: Sequence[int], dtype: torch.dtype) -> Table:
+        raise AssertionError("timed")
+
+    monkeypatch.setattr(kernel_choice, "measure_table", fail)
+    dtype = serving_dtype()
+    for forced in ("int4", "none"):
+        model = load_model("default", dtype=dtype, serving=True, quantize=forced)
+        assert {m.quantize for n, m in model.named_modules() if n.endswith(".w2")} == {forced}
+    assert not list(tmp_path.rglob("choice-*.json"))
+    # auto: each kind takes the fastest of the (fake) timings: dense where it is a candidate
+    monkeypatch.setattr(kernel_choice, "measure_table", Timer(dict.fromkeys(range(1, 9), "none")))
+    model = load_model("default", dtype=dtype, serving=True, quantize="auto", decode_rows=(1, 8))
+    kinds = {k.name: k for k in kernel_choice.kinds_of(model, {})}
+    want = "none" if "none" in kinds["w2"].candidates else "int4"
+    assert {m.quantize for n, m in model.named_modules() if n.endswith(".w2")} == {want}
+    assert len(list((tmp_path / "kernels").glob("choice-*.json"))) == 1
