@@ -22,6 +22,7 @@ from gateway.generation import ClientDisconnected, Context, Limiter
 from gateway.input_check import checked_route
 from gateway.metrics import GatewayMetrics
 from gateway.workers import WorkerPool
+from maskwire.heap import freeze_startup_heap
 from maskwire.logs import debug_payloads
 from maskwire.text import truncate_echo
 
@@ -176,6 +177,7 @@ def create_app(config: GatewayConfig, pool: WorkerPool | None = None) -> FastAPI
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if own_pool:
             await the_pool.start()
+        freeze_startup_heap("gateway")
         try:
             yield
         finally:

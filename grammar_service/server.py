@@ -17,6 +17,7 @@ from grammar_service.sandbox import Sandbox, SandboxUnavailable
 from grammar_service.schema import formats
 from grammar_service.schema.monitor import token_classes
 from grammar_service.servicer import GrammarServicer
+from maskwire.heap import freeze_startup_heap
 from maskwire.rpc import Server, start_metrics_server
 from maskwire.tokenizer import TokenizerLoadError, load_tokenizer
 from maskwire.v1 import grammar_pb2, grammar_pb2_grpc
@@ -110,6 +111,7 @@ async def main(config: ServiceConfig) -> int:
     )
     start_metrics_server(listen.metrics_port, listen.host)
     await server.start()
+    freeze_startup_heap("grammar service")
     log.info(
         "grammar service listening on %s:%d (%s)",
         listen.host,

@@ -15,6 +15,7 @@ import torch
 from maskwire.bitmask import words_per_row
 from maskwire.cpus import available_cpus
 from maskwire.discovery import Resolver
+from maskwire.heap import freeze_startup_heap
 from maskwire.rpc import Server, start_metrics_server
 from maskwire.tokenizer import Tokenizer, load_tokenizer
 from maskwire.v1 import worker_pb2, worker_pb2_grpc
@@ -207,6 +208,7 @@ async def start_engine(config: WorkerConfig) -> RunningEngine:
     await engine.start()
     if config.tuning.warmup:
         await warm_up(engine, cache)
+    freeze_startup_heap("worker")
     engine.serving()
     if config.model.adaptive_threads and backend.name == "cpu" and tp == 1:
         govern_threads()
