@@ -21,19 +21,11 @@ import yaml
 
 from tests.containers.compose import COMPOSE_FILE, SERVICES, ComposeStack, podman
 from tests.containers.conftest import TIMINGS
+from tests.support.schemas import PERSON
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(1800)]
 
 MODEL = "SmolLM2-135M-Instruct"
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
 WEATHER = {
     "type": "object",
     "properties": {

@@ -13,16 +13,8 @@ import grpc
 import jsonschema
 
 from maskwire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.support.schemas import PERSON
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
 COLORS = {
     "type": "object",
     "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},

@@ -27,19 +27,11 @@ import pytest
 from tests.integration.worker.test_worker_compiled import COLD_START_S
 from tests.support.processes import ServiceProcess, openai_client, running
 from tests.support.quality import QUESTIONS
+from tests.support.schemas import PERSON
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 MODEL = "SmolLM2-135M-Instruct"
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
 
 
 def _ask(question: str, **kw: Any) -> dict[str, Any]:

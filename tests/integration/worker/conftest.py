@@ -14,17 +14,10 @@ import llguidance
 
 from maskwire.tokenizer import load_tokenizer
 from maskwire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.support.schemas import PERSON
 
 SCHEMAS: dict[str, dict[str, Any]] = {
-    "person": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 12},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        },
-        "required": ["name", "age"],
-        "additionalProperties": False,
-    },
+    "person": PERSON,
     "enum_bool": {
         "type": "object",
         "properties": {

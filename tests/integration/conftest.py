@@ -1,5 +1,6 @@
-"""One live stack on the embedded SmolLM2 (grammar service + worker + gateway) for every module of
-this package: starting one costs a model load."""
+"""One live stack on the embedded SmolLM2 (grammar service + worker + gateway) for the integration
+packages that need no flags of their own (cli, gateway): starting one costs a model load. Modules
+that start their own services with other flags define their own `worker` fixture."""
 
 from __future__ import annotations
 
@@ -17,23 +18,23 @@ from tests.support.processes import (
 )
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def worker_metrics_port() -> int:
     return free_port()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def worker(worker_metrics_port: int) -> Iterator[ServiceProcess]:
     with grammar_and_worker(["--metrics-port", str(worker_metrics_port)]) as (_, w):
         yield w
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def gw(worker: ServiceProcess) -> Iterator[ServiceProcess]:
     with running("gateway", ["--worker", worker.address], http=True) as g:
         yield g
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def client(gw: ServiceProcess) -> openai.OpenAI:
     return openai_client(gw)
