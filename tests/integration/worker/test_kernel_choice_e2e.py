@@ -22,6 +22,7 @@ from tests.integration.worker.conftest import channel, generate
 from tests.support.processes import TEST_WORKER_DEVICE, ServiceProcess, running
 
 pytestmark = [
+    pytest.mark.slow,  # two worker starts that build the kernels in a private cache (~1.5 min)
     pytest.mark.timeout(900),
     pytest.mark.skipif(
         TEST_WORKER_DEVICE != "cpu" or not (native_bf16("cpu") or cpu_kernel_set() is not None),
