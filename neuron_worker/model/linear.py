@@ -54,11 +54,8 @@ _PACKED: list[Tensor] = []
 @torch.library.custom_op("maskwire::packed_linear", mutates_args=())
 def packed_linear(x: Tensor, handle: Tensor, out_features: int) -> Tensor:
     """`x @ W^T` with W the oneDNN-prepacked weight registered under `handle` (0-d int64)."""
-    shape = x.shape
-    y = torch.ops.mkldnn._linear_pointwise(
-        x.reshape(-1, shape[-1]), _PACKED[int(handle)], None, "none", [], ""
-    )
-    return y.reshape(*shape[:-1], out_features)
+    y = _packed_matmul(x.reshape(-1, x.shape[-1]), _PACKED[int(handle)])
+    return y.reshape(*x.shape[:-1], out_features)
 
 
 @packed_linear.register_fake
