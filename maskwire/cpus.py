@@ -112,3 +112,22 @@ def _v1_groups(root: Path, proc_cgroup: Path) -> list[Path]:
     own = _own_paths(proc_cgroup).get("cpu")
     groups = [root / "cpu" / own] if own else []
     return [*groups, root / "cpu"]
+
+
+def cpu_model_and_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, frozenset[str]]:
+    """The first processor's model name and instruction-set flags (empty where unreadable)."""
+    model, flags = "", frozenset[str]()
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return model, flags
+    for line in text.splitlines():
+        field, _, value = line.partition(":")
+        field = field.strip()
+        if field == "model name" and not model:
+            model = value.strip()
+        elif field == "flags" and not flags:
+            flags = frozenset(value.split())
+        if model and flags:
+            break
+    return model, flags

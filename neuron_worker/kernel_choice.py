@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from maskwire.cpus import cpu_model_and_flags
 from neuron_worker import kernels
 from neuron_worker.compile_cache import kernel_directory
 from neuron_worker.engine_config import EngineConfig
@@ -247,18 +248,8 @@ def cache_key(kinds: Sequence[Kind], rows: Sequence[int], dtype: torch.dtype, th
 
 def cpu_identity() -> str:
     """The CPU's model name and instruction-set flags (/proc/cpuinfo's first processor)."""
-    found: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            field, _, value = line.partition(":")
-            field = field.strip()
-            if field in ("model name", "flags") and field not in found:
-                found[field] = " ".join(sorted(value.split())) if field == "flags" else value
-            if len(found) == 2:
-                break
-    except OSError:
-        pass
-    return f"{found.get('model name', '').strip()} | {found.get('flags', '')}"
+    model, flags = cpu_model_and_flags()
+    return f"{model} | {' '.join(sorted(flags))}"
 
 
 def last_level_cache() -> int:

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from maskwire.cpus import cpu_model_and_flags
 from neuron_worker.compile_cache import kernel_directory
 
 log = logging.getLogger(__name__)
@@ -150,14 +151,9 @@ def _choose() -> tuple[KernelSet | None, str]:
         return None, f"{DISABLE_ENV}=0"
     if sys.platform != "linux":
         return None, "not Linux"
-    try:
-        flags = set()
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError as exc:
-        return None, f"cannot read the CPU flags: {exc}"
+    _, flags = cpu_model_and_flags()
+    if not flags:
+        return None, "cannot read the CPU flags (/proc/cpuinfo)"
     runnable = [s for s in KERNEL_SETS if all(f in flags for f in s.cpu_flags)]
     if not runnable:
         return (

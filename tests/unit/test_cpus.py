@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from maskwire.cpus import available_cpus, cgroup_cpu_quota, cgroup_throttled_ns
+from maskwire.cpus import (
+    available_cpus,
+    cgroup_cpu_quota,
+    cgroup_throttled_ns,
+    cpu_model_and_flags,
+)
 
 AFFINITY = len(os.sched_getaffinity(0))
 
@@ -84,3 +89,13 @@ def test_cgroup_v1_throttled_time(tmp_path: Path) -> None:
     (tmp_path / "cpu" / "cpu.stat").write_text("nr_periods 5\nnr_throttled 2\nthrottled_time 77\n")
     assert cgroup_throttled_ns(tmp_path, tmp_path / "none") == 77
     assert cgroup_throttled_ns(tmp_path / "missing", tmp_path / "none") is None
+
+
+def test_the_first_processors_model_and_flags_are_read(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fma avx2 avx512f\n\n"
+        "processor\t: 1\nmodel name\t: Other CPU\nflags\t\t: sse2\n"
+    )
+    assert cpu_model_and_flags(info) == ("Some CPU", frozenset({"fma", "avx2", "avx512f"}))
+    assert cpu_model_and_flags(tmp_path / "missing") == ("", frozenset())

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from maskwire.cpus import cpu_model_and_flags
 from neuron_worker import kernels
 from neuron_worker.model.linear import Int4Weight, Int8Weight, ServingLinear
 
@@ -419,11 +420,8 @@ def test_the_environment_switch_turns_the_kernels_off(monkeypatch: pytest.Monkey
     assert not kernels.available()
 
 
-def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+def _cpu_flags() -> frozenset[str]:
+    return cpu_model_and_flags()[1]
 
 
 # The fp32 kernels of a kernel set this process did not load (two sets cannot share a process:
