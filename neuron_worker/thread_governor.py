@@ -15,10 +15,11 @@ grammar service or gateway, whose bursts cost the team less than a thread would.
 `shrink_at` of the calls' wall time, the governor tries a team smaller by the threads' worth of
 time it lost and keeps it only if the same calls (equal keys: the same pass shape) ran faster
 than just before; otherwise it goes back and waits before trying again. While shrunk, it tries
-the full team now and then and keeps it when that is faster. Each failed try doubles the wait
-before the next (up to `max_probe_interval_s`), so a lasting condition costs a few slow calls a
-minute; a stall half a thread or more above the one a failed try started on is a new condition
-(a neighbour arrived) and is tried at once.
+the full team now and then and keeps it when that is faster, or when the smaller team has not
+run the same calls lately (nothing to compare: the stall decides again). Each failed try doubles
+the wait before the next (up to `max_probe_interval_s`), so a lasting condition costs a few slow
+calls a minute; a stall half a thread or more above the one a failed try started on is a new
+condition (a neighbour arrived) and is tried at once.
 """
 
 from __future__ import annotations
@@ -187,7 +188,8 @@ class ThreadGovernor:
         times = self._times.setdefault(self.threads, {})
         now = self._clock()
         for key, (n, wall) in window.calls.items():
-            times[key] = (wall / n, now)
+            if key is not None:  # a call of unknown work is no measure of its size
+                times[key] = (wall / n, now)
 
     def _watch(self, window: _Window) -> None:
         """Between trials: a stall starts one with fewer threads (not sooner than allowed)."""
@@ -234,6 +236,9 @@ class ThreadGovernor:
             return  # keep measuring
         self._trial = None
         growing = trial.size > trial.was
+        if growing and ratio is None:
+            self._keep_unmeasured_probe(trial)
+            return
         better = 1.0 if growing else self.config.keep_smaller_below
         if ratio is not None and ratio < better:
             if growing:
@@ -268,6 +273,19 @@ class ThreadGovernor:
             )
             self._next_trial_ns = self._clock() + self._interval_ns
             self._declined_stall = trial.stall or 0.0
+
+    def _keep_unmeasured_probe(self, trial: _Trial) -> None:
+        """A probe of the full team found none of its calls run lately by the smaller one (the
+        work changed shape since: another batch size, speculation): keep the full team, the
+        size without a neighbour, and let the stall decide. A neighbour still there stalls it
+        at once and the trial that follows has fresh full-team times to compare with; kept
+        shrunk on no evidence, the team would stay small for as long as the work kept
+        changing, long after the neighbour left. The wait before the next probe still
+        doubles, so a neighbour that stays costs at most a few slow windows a minute."""
+        log.info("intra-op threads back to %d (%s at %d)", trial.size, _compared(None), trial.was)
+        self._interval_ns = min(2 * self._interval_ns, _ns(self.config.max_probe_interval_s))
+        self._next_trial_ns = 0
+        self._declined_stall = 0.0
 
     def _resize(self, n: int) -> None:
         if n != self.threads:

@@ -313,6 +313,9 @@ def test_a_probe_compares_with_every_call_the_smaller_team_ran_lately() -> None:
 
 
 def test_call_times_older_than_the_memory_are_not_compared() -> None:
+    """The shrunk team's decode times are a minute old when the probe runs: nothing current to
+    compare, so the full team is kept (the size without a neighbour) and the stall decides; the
+    neighbour has left, so it stays."""
     host = Host()
     host.neighbour()
     gov = host.governor(first_probe_s=2.0, memory_s=30.0, trial_windows=1)
@@ -323,7 +326,42 @@ def test_call_times_older_than_the_memory_are_not_compared() -> None:
     host.neighbour(free=2)
     host.idle(60.0)  # the one-thread decode times are a minute old
     host.call(gov, 30, key="decode")
-    assert gov.threads == 1 and gov.probes == 1  # nothing current to compare: stays
+    assert gov.threads == 2 and gov.probes == 1
+    host.call(gov, 200, key="decode")
+    assert gov.threads == 2 and host.sizes == [1, 2] and gov.trials == 1
+
+
+def test_a_probe_with_nothing_to_compare_beside_a_neighbour_shrinks_again_and_backs_off() -> None:
+    """Work that changes shape between probes (a batch size, speculation) leaves a probe nothing
+    to compare while the neighbour stays: the full team stalls at once, a measured trial shrinks
+    it again, and the next probe waits twice as long."""
+    host = Host()
+    host.neighbour()
+    gov = host.governor(first_probe_s=2.0, memory_s=30.0, trial_windows=1)
+    host.call(gov, 2, key="c8")
+    host.call(gov, 20, key="c8")
+    assert gov.threads == 1 and gov.shrinks == 1
+    host.idle(60.0)
+    host.call(gov, 3, key="c1")  # the probe: c1 never ran at one thread lately
+    assert gov.probes == 1 and gov.threads == 2
+    began, probes = host.now, gov.probes
+    host.call(gov, 20, key="c1")  # stalled at two threads: a trial compares c1 both ways
+    assert gov.threads == 1 and gov.shrinks == 2 and host.sizes == [1, 2, 1]
+    while gov.probes == probes:
+        host.call(gov, key="c1")
+    assert (host.now - began) / 1e9 >= 4.0  # the wait doubled (the first was 2 s)
+
+
+def test_calls_of_unknown_work_are_never_compared() -> None:
+    """Calls without a key (a logits copy, the warm-up) do different work each time: a trial
+    with only those has nothing to compare and goes back."""
+    host = Host()
+    host.neighbour()
+    gov = host.governor(window_s=0.2, trial_windows=2)
+    host.call(gov, 2, key=None)  # type: ignore[arg-type]
+    assert gov.trials == 1 and gov.threads == 1
+    host.call(gov, 20, key=None)  # type: ignore[arg-type]
+    assert gov.threads == 2 and gov.shrinks == 0
 
 
 def test_a_compiled_sampler_serves_any_team_size_without_compiling_again() -> None:
