@@ -116,6 +116,11 @@ class Speculator:
         for r in batch:
             if not r.speculate:
                 continue
+            if left is not None and left <= 0 and r.grammar is None:
+                # No room left in the pass, and only a constrained row's copy that closes a
+                # string goes beyond it: a full batch of free text drafts nothing (its history
+                # reaches the drafter when it next may draft).
+                continue
             if r.drafter is None:
                 r.drafter = new_drafter(spec, self.tokenizer.token_bytes, self.tokenizer.encode)
                 r.budget = DraftBudget(spec)

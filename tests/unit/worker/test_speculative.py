@@ -520,6 +520,44 @@ def test_a_copy_that_closes_a_string_is_not_cut_by_the_pass_budget() -> None:
     assert [row.tokens[1:] for row in rows] == [plain[:2], closes, [], []]
 
 
+class Counted(Scripted):
+    """A scripted drafter that counts the proposals asked of it."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        super().__init__(tokens)
+        self.asked = 0
+
+    def propose(self, most: int) -> list[int]:
+        self.asked += 1
+        return super().propose(most)
+
+
+@pytest.mark.parametrize(("budget", "asked"), [(3, [1, 0, 0]), (4, [1, 1, 0])])
+def test_a_pass_the_batch_fills_asks_no_free_text_drafter(budget: int, asked: list[int]) -> None:
+    """Three rows: when they fill the pass's budget, only a constrained row's copy that closes
+    a string can still be verified, so the free-text rows' drafters are not asked (a full batch
+    of free text pays nothing for speculation); with one token of room the first is."""
+    engine, _ = make_engine(
+        overlap=False, limit=30, speculative=token_drafts(4, pass_tokens=budget)
+    )
+    spec = engine.config.speculative
+    assert spec is not None and engine.speculator is not None
+    closing = next(t for t in range(TOK.vocab_size) if TOK.token_bytes(t) == b'"')
+    closes = [NORMAL[4], closing]
+    reqs = [make_request(i, constrained=i == 0, max_tokens=30) for i in range(3)]
+    drafters = [Counted(closes) for _ in reqs]
+    for r, d in zip(reqs, drafters, strict=True):
+        r.drafter = d  # type: ignore[assignment]
+        r.budget = DraftBudget(spec)
+        r.pending = NORMAL[1]
+    reqs[0].grammar = object()  # type: ignore[assignment]
+
+    drafts = engine.speculator.plan(reqs)
+    assert [d.asked for d in drafters] == asked
+    assert drafts[reqs[0]] == closes  # kept whole: the grammar's forced tail may follow it
+    assert reqs[2] not in drafts
+
+
 async def test_forced_draft_positions_get_no_logits_and_keep_their_drafts() -> None:
     """A verification row of two own drafts, three tokens the grammar forces (`jump`) and one
     draft after them: the pass asks logits for the own drafts, the tail's draft and the position
