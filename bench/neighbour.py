@@ -18,8 +18,8 @@ workload runs against llama.cpp's server (same GGUF, `-t 2 -np 8`) under the sam
 the peer a CPU user compares with first.
 
 Writes bench/results/<name>.json and .png. Never part of CI: it needs a quiet machine.
-With `--versus ARGS` it instead compares two `maskwire up` stacks on the quiet workload, both up
-at once and measured in alternating order (e.g. the default against `--worker-arg=
+With `--versus ARGS` it instead compares two `maskwire up` stacks, both up at once and measured in
+alternating order under each condition (e.g. the default against `--worker-arg=
 --no-adaptive-threads`: what the thread governor costs a quiet host).
 
 Usage: python bench/neighbour.py [--max-tokens 64] [--conditions quiet,busy1,...] [--name N]
@@ -332,26 +332,35 @@ def run_engine(
     return results
 
 
-def interleaved_quiet(
-    up_args: list[str], versus: list[str], args: argparse.Namespace
-) -> dict[str, Any]:
-    """Two `maskwire up` stacks at once (`up_args` and `versus`), the quiet workload on each in
-    alternating order for `args.rounds` rounds: a difference between them is not drift."""
+def interleaved(up_args: list[str], versus: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Two `maskwire up` stacks at once (`up_args` and `versus`), the workload on each in
+    alternating order for `args.rounds` rounds under each condition (quiet, busy1, busy2; the
+    neighbours run while both stacks are measured): a difference between them is not drift."""
+    conditions = [c for c in args.conditions if c != "quota"]
     servers = {"maskwire": start_maskwire(up_args, None)}
     try:
         servers["versus"] = start_maskwire(versus, None)
         for server in servers.values():
             one_request(server, PROMPTS[0], True, 8)
             one_request(server, PROMPTS[0], False, 8)
-        rounds: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+        rounds: dict[str, dict[str, list[dict[str, float]]]] = {
+            c: {name: [] for name in servers} for c in conditions
+        }
         for r in range(args.rounds):
-            for name in list(servers)[:: 1 if r % 2 == 0 else -1]:
-                h = headline(workload(servers[name], args.max_tokens, args.c1_requests))
-                rounds[name].append(h)
-                print(name, f"round {r}", _fmt(h), flush=True)
+            for cond in conditions:
+                busy = {"busy1": 1, "busy2": 2}.get(cond, 0)
+                with busy_neighbours(busy):
+                    for name in list(servers)[:: 1 if r % 2 == 0 else -1]:
+                        h = headline(workload(servers[name], args.max_tokens, args.c1_requests))
+                        rounds[cond][name].append(h)
+                        print(name, cond, f"round {r}", _fmt(h), flush=True)
     finally:
         for server in servers.values():
             server.stop()
+    return {cond: _compare(by_name) for cond, by_name in rounds.items()}
+
+
+def _compare(rounds: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     medians = {
         name: {k: statistics.median(h[k] for h in hs) for k in hs[0]} for name, hs in rounds.items()
     }
@@ -414,7 +423,12 @@ def cpu_model() -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--c1-requests", type=int, default=3, help="c1 requests per figure")
+    parser.add_argument(
+        "--c1-requests",
+        type=int,
+        default=len(PROMPTS),
+        help=f"c1 requests per figure, the first N prompts (default all {len(PROMPTS)})",
+    )
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
     parser.add_argument("--quota", type=float, default=1.5, help="CPUs of the quota condition")
     parser.add_argument("--up-args", default="", help="extra `maskwire up` arguments")
@@ -422,8 +436,9 @@ def main() -> int:
     parser.add_argument(
         "--versus",
         metavar="ARGS",
-        help="instead of the conditions: the quiet workload interleaved on two stacks, "
-        "`--up-args` and these `maskwire up` arguments (e.g. --worker-arg=--no-adaptive-threads)",
+        help="instead of one stack per engine: the workload interleaved on two stacks, "
+        "`--up-args` and these `maskwire up` arguments (e.g. --worker-arg=--no-adaptive-threads), "
+        "under each of --conditions but the quota (give e.g. --conditions quiet,busy1)",
     )
     parser.add_argument("--rounds", type=int, default=4, help="rounds per stack with --versus")
     parser.add_argument("--name", default="neighbour")
@@ -446,13 +461,14 @@ def main() -> int:
     }
     up_args = args.up_args.split()
     if args.versus is not None:
-        data.update(conditions=["quiet"], versus=args.versus, rounds=args.rounds)
-        data["interleaved"] = interleaved_quiet(up_args, args.versus.split(), args)
+        data.update(versus=args.versus, rounds=args.rounds)
+        data["interleaved"] = interleaved(up_args, args.versus.split(), args)
         data["loadavg_end"] = os.getloadavg()
         RESULTS.mkdir(parents=True, exist_ok=True)
         out = RESULTS / f"{args.name}.json"
         out.write_text(json.dumps(data, indent=2) + "\n")
-        print(json.dumps(data["interleaved"]["maskwire_over_versus"], indent=2))
+        ratios = {c: v["maskwire_over_versus"] for c, v in data["interleaved"].items()}
+        print(json.dumps(ratios, indent=2))
         print(f"wrote {out}")
         return 0
     data["engines"]["maskwire"] = run_engine(
