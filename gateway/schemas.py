@@ -215,8 +215,8 @@ class _SamplingFields(_Request):
     ignore_eos: bool | None = Field(None, description="Extension: keep going past end-of-text.")
     speculative: bool | None = Field(
         None,
-        description="maskwire: false opts this request out of speculative decoding (on workers "
-        "started with --speculative; greedy outputs are the same either way).",
+        description="maskwire: false opts this request out of speculative decoding (the worker's "
+        "--speculative, on by default on a CPU; greedy outputs are the same either way).",
     )
     guided_json: dict[str, Any] | str | None = Field(None, description="Extension (legacy vLLM).")
     guided_regex: str | None = Field(None, description="Extension (legacy vLLM).")

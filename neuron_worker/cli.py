@@ -290,10 +290,11 @@ def _speculation_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding")
     g.add_argument(
         "--speculative",
-        choices=("none", "ngram"),
-        default="none",
+        choices=("auto", "none", "ngram"),
+        default="auto",
         help="speculative decoding: `ngram` drafts tokens from the request's own prompt and "
-        "output (prompt lookup), checked by the grammar, verified in one forward (default none)",
+        "output (prompt lookup), checked by the grammar, verified in one forward (default auto: "
+        "ngram on cpu, none elsewhere)",
     )
     g.add_argument(
         "--num-draft-tokens",

@@ -112,6 +112,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         warmup=args.warmup,
         compile_cache=args.compile_cache,
         overlap=args.overlap,
+        speculative=args.speculative,
         tensor_parallel=model.tensor_parallel_size,
         cuda_graphs=args.cuda_graphs,
     )
@@ -119,7 +120,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         server=server_config(args),
         model=model,
         tuning=tuning,
-        engine=_engine_config(args, overlap=tuning.overlap),
+        engine=_engine_config(args, overlap=tuning.overlap, speculative=tuning.speculative),
         prompts=_prompt_limits(args),
         grammar=_grammar_settings(args) if args.structured_outputs else None,
     )
@@ -182,7 +183,7 @@ def _buckets(flag: str, text: str, hi: int, lo: int) -> list[int]:
         raise ConfigError(f"{flag}: comma-separated positive integers, not {text!r} ({e})") from e
 
 
-def _engine_config(args: argparse.Namespace, *, overlap: bool) -> EngineConfig:
+def _engine_config(args: argparse.Namespace, *, overlap: bool, speculative: str) -> EngineConfig:
     from neuron_worker.graphs import MAX_FLAT_TOKENS
     from neuron_worker.scheduler import pow2_buckets
 
@@ -231,14 +232,12 @@ def _engine_config(args: argparse.Namespace, *, overlap: bool) -> EngineConfig:
         structured_outputs=args.structured_outputs,
         overlap=overlap,
         jump_forward=args.jump_forward,
-        speculative=_draft_config(args),
+        speculative=_draft_config(args) if speculative == "ngram" else None,
     )
 
 
-def _draft_config(args: argparse.Namespace) -> DraftConfig | None:
-    """The drafter's settings from `--speculative` and its flags (None: speculation off)."""
-    if args.speculative == "none":
-        return None
+def _draft_config(args: argparse.Namespace) -> DraftConfig:
+    """The drafter's settings from `--speculative ngram`'s flags."""
     _at_least("--num-draft-tokens", args.num_draft_tokens, 1)
     _at_least("--forced-draft-tokens", args.forced_draft_tokens, 0)
     match: DraftMatch = args.draft_match

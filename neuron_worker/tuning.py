@@ -6,7 +6,8 @@ decode when the checkpoint's weights are 4-bit already (a Q4_1 GGUF: the 4-bit m
 checkpoint itself) and the CPU runs a 4-bit kernel for the chosen dtype (bf16: aten's or the
 worker's own; fp32: the worker's own, AVX2), and a compile cache that survives restarts. Which
 kernel each kind of projection then runs (4-bit, 8-bit, dense) is measured when the model loads
-(`quantize` "auto": `neuron_worker.kernel_choice`). Every choice is logged, and each has a flag
+(`quantize` "auto": `neuron_worker.kernel_choice`), and on a CPU speculative decoding with n-gram
+drafts (`speculative` "auto"). Every choice is logged, and each has a flag
 that overrides it (eager and fp32 stay available for debugging and for the tests that compare
 with transformers).
 """
@@ -38,6 +39,7 @@ class Tuning:
     warmup: bool
     compile_cache: Path | None
     overlap: bool
+    speculative: str = "none"  # none | ngram
     cuda_graphs: bool = False
 
     def describe(self) -> str:
@@ -46,7 +48,8 @@ class Tuning:
             f"{'compiled' if self.compile else 'eager'}, quantize {self.quantize}, "
             f"CUDA graphs {'on' if self.cuda_graphs else 'off'}, "
             f"compile cache {self.compile_cache or 'off'}, "
-            f"grammar overlap {'on' if self.overlap else 'off'}"
+            f"grammar overlap {'on' if self.overlap else 'off'}, "
+            f"speculative {self.speculative}"
         )
 
 
@@ -98,6 +101,7 @@ def resolve(
     warmup: bool | None,
     compile_cache: str | None,
     overlap: bool | None = None,
+    speculative: str = "auto",
     tensor_parallel: int = 1,
     cuda_graphs: bool | None = None,
 ) -> Tuning:
@@ -151,7 +155,18 @@ def resolve(
         compile_cache=cache,
         # Overlap hides the grammar round trip (~1 ms) behind the forward, but then forced tokens
         # cost a pass of their own instead of riding with the sampled token: worth it only where
-        # a forward takes a few ms (an accelerator), not on a CPU (20-40 ms per pass).
+        # a forward takes a few ms (an accelerator), not on a CPU (7-20 ms per decode pass on
+        # 2 cores, where overlap measured 1.02x).
         overlap=overlap if overlap is not None else device != "cpu",
+        # On a CPU a decode pass reads every weight for one token, so a pass that verifies a few
+        # drafts costs about what a plain one does (the 4-bit kernels read the weights once per
+        # 8 rows; the verification budget keeps passes that narrow), and the gate declines drafts
+        # that do not pay. On an accelerator the per-step host work of drafting measured a net
+        # loss (docs/benchmarks.md), and on XLA every verification width is another graph.
+        speculative=speculative if speculative != "auto" else _auto_speculative(device),
         cuda_graphs=cuda_graphs if cuda_graphs is not None else graphable,
     )
+
+
+def _auto_speculative(device: str) -> str:
+    return "ngram" if device == "cpu" else "none"

@@ -37,8 +37,14 @@ def build(*argv: str) -> WorkerConfig:
 def test_every_flag_default_is_the_configurations_default() -> None:
     """No flag restates a default: each reads it from the configuration's field."""
     config = build()
-    # --device cpu resolves these two: dynamic shapes, and no overlap of the grammar round trip
-    assert config.engine == replace(EngineConfig(), bucketed=False, overlap=False)
+    # --device cpu resolves these three: dynamic shapes, no overlap of the grammar round trip,
+    # and n-gram speculation with passes budgeted to the batch size
+    assert config.engine == replace(
+        EngineConfig(),
+        bucketed=False,
+        overlap=False,
+        speculative=replace(DraftConfig(), pass_tokens=EngineConfig().max_batch),
+    )
     assert config.engine.admit_window_s == 0.020  # the flag's 20 ms, not "admit at once"
     assert config.model == ModelSettings()
     assert config.prompts == PromptLimits()
@@ -54,8 +60,12 @@ def test_structured_outputs_off_needs_no_grammar_service() -> None:
     assert config.grammar is None and not config.engine.structured_outputs
 
 
-def test_speculation_is_off_by_default_and_configurable() -> None:
-    assert build().engine.speculative is None
+def test_speculation_is_ngram_on_cpu_by_default_and_configurable() -> None:
+    assert build().engine.speculative is not None
+    assert build("--speculative", "none").engine.speculative is None
+    assert build("--device", "cuda").engine.speculative is None
+    assert build("--device", "xla", "--no-compile").engine.speculative is None
+    assert build("--device", "cuda", "--speculative", "ngram").engine.speculative is not None
     spec = build("--speculative", "ngram", "--num-draft-tokens", "3").engine.speculative
     assert spec is not None and (spec.num_draft_tokens, spec.match) == (3, "text")
     assert (spec.min_n, spec.max_n) == (2, 64)  # bytes of text

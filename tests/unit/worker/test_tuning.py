@@ -40,6 +40,10 @@ def test_the_default_on_a_bf16_cpu_is_compiled_bf16_timed_kernels_with_a_cache(
     # a CPU forward dwarfs the grammar round trip: forced tokens ride with the sampled one
     assert not t.overlap and "grammar overlap off" in t.describe()
     assert settings(overlap=True).overlap
+    # a decode pass reads every weight for one token: verifying a few drafts costs little more
+    assert t.speculative == "ngram" and "speculative ngram" in t.describe()
+    assert settings(speculative="none").speculative == "none"
+    assert settings(device="cuda").speculative == "none"
 
 
 def test_without_native_bf16_the_default_is_fp32_with_the_avx2_kernels(
