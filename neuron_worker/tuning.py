@@ -35,7 +35,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class Tuning:
     dtype: torch.dtype
     compile: bool
-    quantize: str  # none | int4 | int8 | auto (each kind timed at load: `kernel_choice`)
+    quantize: str  # none | int4 | int4a8 | int8 | auto (each kind timed at load: `kernel_choice`)
     warmup: bool
     compile_cache: Path | None
     overlap: bool
@@ -131,13 +131,20 @@ def resolve(
             )
     compiled = compile if compile is not None else device in ("cpu", "cuda")
     if quantize == "auto":
-        # Timed among int4, int8 and dense where the 4-bit model is the checkpoint and fast.
+        # Timed among int4, int4a8, int8 and dense where the 4-bit model is the checkpoint and fast.
         eligible = device == "cpu" and fast_int4(resolved_dtype) and q4_checkpoint(spec)
         quantize = "auto" if eligible else "none"
     elif quantize != "none" and device != "cpu":
         raise ConfigError(f"--quantize {quantize} needs --device cpu (its kernels are CPU ones)")
     if quantize != "none" and resolved_dtype not in (torch.bfloat16, torch.float32):
         raise ConfigError(f"--quantize {quantize} needs bfloat16 or float32 activations")
+    if quantize == "int4a8":
+        kernel_set = kernels.cpu_kernel_set()
+        if resolved_dtype != torch.bfloat16 or kernel_set is None or not kernel_set.bf16:
+            raise ConfigError(
+                "--quantize int4a8 needs bfloat16 and a CPU with AVX512-BF16 and AVX512-VNNI "
+                "(the worker's 8-bit-activation kernel)"
+            )
     cache: Path | None = None
     if compiled and compile_cache != "":
         cache = Path(compile_cache) if compile_cache else default_root()

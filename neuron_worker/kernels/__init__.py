@@ -1,7 +1,8 @@
 """The worker's own CPU kernels, compiled from C++ at first use and cached on disk.
 
-* `matmul_bf16.cpp` (AVX512-BF16): 4- and 8-bit weights (llama.cpp's Q4_1 and Q8_0 blocks) times
-  bf16 activations for decode passes of up to 8 rows in one read of the weights.
+* `matmul_bf16.cpp` (AVX512-BF16, AVX512-VNNI): 4- and 8-bit weights (llama.cpp's Q4_1 and Q8_0
+  blocks) times bf16 activations for decode passes of up to 8 rows in one read of the weights,
+  and the 4-bit weights times 8-bit activations (`int4_matmul_q8`, VNNI integer dot products).
 * `decode_attention.cpp` (AVX512-BF16): attention for passes of one token per row, reading each
   row's KV cache slot in place.
 * `matmul_f32.cpp` (AVX2 + FMA): 4- and 8-bit weights (llama.cpp's Q4_1 and Q8_0 blocks) times
@@ -63,9 +64,17 @@ F32_SOURCES = (_HERE / "matmul_f32.cpp", _HERE / "decode_attention_f32.cpp")
 KERNEL_SETS = (
     KernelSet(
         "avx512-bf16",
-        ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+        ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"),
         (_HERE / "matmul_bf16.cpp", _HERE / "decode_attention.cpp", *F32_SOURCES),
-        ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
+        (
+            "-mavx2",
+            "-mfma",
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512bf16",
+            "-mavx512vnni",
+        ),
         bf16=True,
     ),
     KernelSet("avx2", ("avx2", "fma"), F32_SOURCES, ("-mavx2", "-mfma"), False),
@@ -228,7 +237,7 @@ def _register_fake(kernel_set: KernelSet) -> None:
     if kernel_set.bf16:
         attentions.append("decode_attention")
 
-        for op in ("int4_matmul", "int8_matmul"):
+        for op in ("int4_matmul", "int8_matmul", "int4_matmul_q8"):
 
             @torch.library.register_fake(f"maskwire_kernels::{op}")
             def _matmul_shape(x: Tensor, w: Tensor, params: Tensor) -> Tensor:
@@ -305,6 +314,12 @@ def pack_int8_f32(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
 def int4_matmul(x: Tensor, packed: Tensor, scale_zero: Tensor) -> Tensor:
     """`x @ W^T` for bf16 x [rows, K] and a `pack_int4` weight; bf16 [rows, N]."""
     return torch.ops.maskwire_kernels.int4_matmul(x, packed, scale_zero)
+
+
+def int4_matmul_q8(x: Tensor, packed: Tensor, scale_zero: Tensor) -> Tensor:
+    """`int4_matmul`'s weights times 8-bit activations (each row's inputs quantized per group of
+    32, llama.cpp's Q8): bf16 [rows, K] -> bf16 [rows, N]."""
+    return torch.ops.maskwire_kernels.int4_matmul_q8(x, packed, scale_zero)
 
 
 def int8_matmul(x: Tensor, packed: Tensor, scale: Tensor) -> Tensor:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,42 @@ def test_the_kernel_multiplies_bf16_activations_by_q4_1_weights(rows: int, n: in
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     # exact products, fp32 sums: only the final rounding to bf16 (8 bits) is visible
     torch.testing.assert_close(got.double(), exact(x, w), rtol=2**-8, atol=2e-3)
+
+
+def q8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x with each row's groups of 32 quantized as the 8-bit-activation kernel does, in IEEE fp32
+    step by step: inv = 127 / amax, int8 values rint(x * inv) (ties to even), scale amax / 127."""
+    g = x.float().reshape(x.shape[0], -1, 32).numpy()
+    amax = np.abs(g).max(-1, keepdims=True)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    q = np.rint(g * inv)
+    return torch.from_numpy(
+        q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)
+    ).reshape(x.shape)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17])
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (960, 576), (64, 1536)])
+def test_the_q8_activation_kernel_multiplies_quantized_activations_by_q4_1_weights(
+    rows: int, n: int, k: int
+) -> None:
+    """`int4_matmul_q8`: scale * (q - 8) times the row's 8-bit activations (exact int32 sums),
+    plus the zero (low + 8 scale) times the exact input sums; within an activation quantization
+    step of the bf16 kernel."""
+    w = weight(n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    packed = kernels.pack_int4(w.q, w.scale, w.low)
+    got = kernels.int4_matmul_q8(x, *packed)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    groups = k // 32
+    centred = w.q.double().reshape(n, groups, 32) - 8
+    scaled_q = (centred * w.scale.double()[..., None]).reshape(n, k)
+    zero = (w.low.double() + 8 * w.scale.double()).repeat_interleave(32, dim=1)
+    want = q8_activations(x) @ scaled_q.t() + x.double() @ zero.t()
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=2e-3)
+    bf16 = kernels.int4_matmul(x, *packed).double()
+    assert float((got.double() - bf16).norm() / bf16.norm()) < 0.02
 
 
 @needs_kernel
@@ -132,6 +169,8 @@ KERNELS = {
                        kernels.int4_matmul),
     ("bf16", "int8"): (lambda w: kernels.pack_int8(*_split(Int8Weight.from_float(w))),
                        kernels.int8_matmul),
+    ("bf16", "int4_q8"): (lambda w: kernels.pack_int4(*_split(Int4Weight.from_float(w))),
+                          kernels.int4_matmul_q8),
 }  # fmt: skip
 
 
@@ -139,10 +178,12 @@ def _split(w: Int4Weight | Int8Weight) -> tuple[torch.Tensor, ...]:
     return (w.q, w.scale, w.low) if isinstance(w, Int4Weight) else (w.q, w.scale)
 
 
-@pytest.mark.parametrize("scheme", ["int4", "int8"])
 @pytest.mark.parametrize(
-    "activations",
-    [pytest.param("fp32", marks=needs_f32_kernel), pytest.param("bf16", marks=needs_kernel)],
+    ("activations", "scheme"),
+    [
+        pytest.param(*key, marks=needs_f32_kernel if key[0] == "fp32" else needs_kernel)
+        for key in KERNELS
+    ],
 )
 def test_a_kernel_rows_result_does_not_depend_on_the_rows_beside_it(
     activations: str, scheme: str

@@ -109,6 +109,23 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(scheme: str, dtype: tor
             assert torch.equal(project(layer, x[:n], quantized=quantized), whole[:n]), n
 
 
+@pytest.mark.skipif(not kernels.bf16_available(), reason="no AVX512-BF16 + VNNI kernels here")
+def test_int4a8_layers_take_the_q4_1_weights_times_8_bit_activations() -> None:
+    """The same Q4_1 weights as int4 with each row's activations rounded to 8 bits: close to the
+    bf16-activation path but not it, one row's result independent of the pass, and refused where
+    the kernel cannot run it."""
+    w = weight().bfloat16()
+    layer = ServingLinear(w, None, quantize="int4a8")
+    x = torch.randn(40, 1, 64).bfloat16()
+    got = project(layer, x, quantized=True).float()
+    bf16 = project(ServingLinear(w, None, quantize="int4"), x, quantized=True).float()
+    assert 0 < float((got - bf16).norm() / bf16.norm()) < 0.02
+    for n in (1, 3, 8, 9, 33):
+        assert torch.equal(project(layer, x[:n], quantized=True).float(), got[:n]), n
+    with pytest.raises(ValueError, match="int4a8"):
+        ServingLinear(w.float(), None, quantize="int4a8")
+
+
 def test_aten_int4_runs_in_a_compiled_graph_of_many_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the worker's kernel, int4 layers run aten's op, behind a custom op: inductor's own
     lowering of it inside the per-layer compile region hands the group size over as a tensor,

@@ -87,6 +87,21 @@ class Timer:
         }
 
 
+def test_the_layers_candidates_are_every_kernel_the_cpu_runs() -> None:
+    """int4 first (the default), the 8-bit-activation and 8-bit-weight kernels where the worker's
+    own run, the dense weight where bf16 is native; the head its stored scheme and dense."""
+    from neuron_worker import kernels
+
+    model = tiny_model()
+    if model.tok_embeddings.weight.dtype != torch.bfloat16 or not kernels.bf16_available():
+        pytest.skip("the bf16 kernels do not run here")
+    kinds = {k.name: k for k in kernel_choice.kinds_of(model, {})}
+    dense = ("none",) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()
+    for name in ("wqkv", "wo", "w13", "w2"):
+        assert kinds[name].candidates == ("int4", "int4a8", "int8", *dense), name
+        assert kinds[name].kernels[:3] == ("own-bf16",) * 3
+
+
 def test_one_path_per_kind_whatever_wins_at_each_width(tmp_path: Path) -> None:
     """Batch invariance: whichever candidate is fastest at which width, each kind gets one
     scheme for every decode pass, and a row's logits are the same whatever shares its pass."""
