@@ -1,4 +1,5 @@
-// 4- and 8-bit weights x bf16 activations for passes of a few rows, on AVX512-BF16 CPUs.
+// 4- and 8-bit weights x bf16 activations for passes of a few rows, on AVX512-BF16 CPUs; and
+// 4-bit weights x 8-bit activations with AVX512-VNNI (`int4_matmul_q8`, below).
 //
 // aten's `_weight_int4pack_mm_for_cpu` works in blocks of 4 rows and dequantizes the weights once
 // per block, so 8 rows cost twice what 4 do and are no faster than bf16 weights. These kernels
