@@ -61,9 +61,10 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="weight-only quantized kernels for decode passes on CPU; auto: when the checkpoint's "
         "weights are Q4_1 already (the embedded SmolLM2), each kind of projection takes the "
-        "fastest of int4 (exact), int4a8 (the same weights, 8-bit activations), int8 and dense "
-        "bf16 as timed at start (cached in the compile cache), else none; int4, int4a8, int8, "
-        "none: that path, untimed (int4 and int8 on other checkpoints round the weights)",
+        "fastest of int4 (exact), int8 and dense bf16 as timed at start (cached in the compile "
+        "cache), else none; int4, int8, none: that path, untimed (int4 and int8 on other "
+        "checkpoints round the weights); int4a8: the Q4_1 weights times 8-bit activations "
+        "(AVX512-VNNI; rounds the activations, never chosen by auto)",
     )
     g.add_argument(
         "--tensor-parallel-size",

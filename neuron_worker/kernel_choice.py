@@ -167,8 +167,8 @@ def decode_rows(engine: EngineConfig) -> tuple[int, ...]:
 
 def kinds_of(model: Transformer, sources: Mapping[str, ExactWeight]) -> tuple[Kind, ...]:
     """The model's projection kinds and their candidates, on today's rules of what is eligible:
-    the layers int4 (the default), int4a8 and int8 where the worker's own kernels run them, dense
-    where bf16 is native and prepacked; the head its checkpoint's quantized scheme (the default) where
+    the layers int4 (the default), int8 where the worker's own kernels run it, dense where bf16
+    is native and prepacked; the head its checkpoint's quantized scheme (the default) where
     `Transformer.head_scheme` allows one, and dense where bf16 is native and prepacked."""
     head = model.head_scheme(sources)
     kinds = []
@@ -177,9 +177,8 @@ def kinds_of(model: Transformer, sources: Mapping[str, ExactWeight]) -> tuple[Ki
         if kind == "head":
             candidates = [head] if head is not None else []
         else:
+            # Not int4a8: it rounds the activations, which the choice never trades for speed.
             candidates = ["int4"]
-            if kernel_for(weight, "int4a8") == "own-bf16":
-                candidates.append("int4a8")
             if kernel_for(weight, "int8").startswith("own"):
                 candidates.append("int8")
         if dense or not candidates:

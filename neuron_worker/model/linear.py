@@ -33,7 +33,8 @@ then the checkpoint's exactly and the arithmetic fp32, only the order of the sum
 dense path). Elsewhere aten's, which dequantizes per block of 4 rows. int4a8 is the same Q4_1
 weights times 8-bit activations (each row's inputs quantized per group of 32, as llama.cpp does),
 through the worker's VNNI kernel: half the multiplies of the bf16 path, for passes where those
-bound the time (8 rows), at the cost of rounding the activations (~1% of a projection's output).
+bound the time (8 rows), at the cost of rounding the activations (~1% of a projection's output);
+a forced choice only (`--quantize int4a8`), never `kernel_choice`'s.
 """
 
 from __future__ import annotations

@@ -88,8 +88,8 @@ class Timer:
 
 
 def test_the_layers_candidates_are_every_kernel_the_cpu_runs() -> None:
-    """int4 first (the default), the 8-bit-activation and 8-bit-weight kernels where the worker's
-    own run, the dense weight where bf16 is native; the head its stored scheme and dense."""
+    """int4 first (the default), the 8-bit kernel where the worker's own run, the dense weight
+    where bf16 is native; never int4a8, which rounds the activations (a forced choice only)."""
     from neuron_worker import kernels
 
     model = tiny_model()
@@ -98,8 +98,8 @@ def test_the_layers_candidates_are_every_kernel_the_cpu_runs() -> None:
     kinds = {k.name: k for k in kernel_choice.kinds_of(model, {})}
     dense = ("none",) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()
     for name in ("wqkv", "wo", "w13", "w2"):
-        assert kinds[name].candidates == ("int4", "int4a8", "int8", *dense), name
-        assert kinds[name].kernels[:3] == ("own-bf16",) * 3
+        assert kinds[name].candidates == ("int4", "int8", *dense), name
+        assert kinds[name].kernels[:2] == ("own-bf16",) * 2
 
 
 def test_one_path_per_kind_whatever_wins_at_each_width(tmp_path: Path) -> None:
