@@ -52,7 +52,25 @@ def load_harness(peers: Path) -> ModuleType:
         raise SystemExit(f"no peers harness in {peers} (see --peers)")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    # llama-server (cpp-httplib) closes a keep-alive connection after a few requests, and the
+    # harness's client (`max_retries=0`) then fails the next request it sends on it: "Server
+    # disconnected without sending a response". Nothing was processed, so retrying is safe.
+    vars(module)["openai"] = _RetryingOpenAI(vars(module)["openai"])
     return module
+
+
+class _RetryingOpenAI:
+    """The `openai` module as the harness sees it, with clients that retry a closed connection."""
+
+    def __init__(self, openai: ModuleType) -> None:
+        self._openai = openai
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._openai, name)
+
+    def AsyncOpenAI(self, **kwargs: Any) -> Any:
+        kwargs["max_retries"] = max(int(kwargs.get("max_retries", 0)), 3)
+        return self._openai.AsyncOpenAI(**kwargs)
 
 
 def free_port() -> int:
