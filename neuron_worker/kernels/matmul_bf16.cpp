@@ -168,8 +168,9 @@ std::vector<float> group_sums(const uint16_t* x, int64_t count) {
 
 // x: bf16 [rows, K]; w: F::kLayout; params: fp32 [N/16, K/32, P, 16] (Q4_1: scales, zeros),
 // or [N/16, K/32, 16] (Q8_0: scales).
+// The inputs' checks, shared by every matmul of a weight format F.
 template <class F>
-at::Tensor matmul_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& params) {
+void check_inputs(const at::Tensor& x, const at::Tensor& w, const at::Tensor& params) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bf16 [rows, K]");
   TORCH_CHECK(w.dim() == 4 && w.scalar_type() == F::kType && w.size(2) == F::kChunks &&
                   w.size(3) == 32 && w.is_contiguous(),
@@ -180,8 +181,14 @@ at::Tensor matmul_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous() &&
                   params.sizes() == at::IntArrayRef(want),
               "scales: contiguous fp32 ", at::IntArrayRef(want));
+  TORCH_CHECK(w.size(1) * kGroup == x.size(1), "x has ", x.size(1), " inputs, the weight ",
+              w.size(1) * kGroup);
+}
+
+template <class F>
+at::Tensor matmul_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& params) {
+  check_inputs<F>(x, w, params);
   const int64_t rows = x.size(0), k = x.size(1), blocks = w.size(0), groups = w.size(1);
-  TORCH_CHECK(groups * kGroup == k, "x has ", k, " inputs, the weight ", groups * kGroup);
   const int64_t n = blocks * kBlock;
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({rows, n}, x.options());
@@ -302,16 +309,8 @@ void blocks_q8_for_rows(const int8_t* xq, const float* sx, const float* xsum, co
 }
 
 at::Tensor int4_matmul_q8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zero) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bf16 [rows, K]");
-  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kByte && w.size(2) == Q4_1::kChunks &&
-                  w.size(3) == 32 && w.is_contiguous(),
-              "w: contiguous ", Q4_1::kLayout);
-  const std::vector<int64_t> want{w.size(0), w.size(1), 2, kBlock};
-  TORCH_CHECK(scale_zero.scalar_type() == at::kFloat && scale_zero.is_contiguous() &&
-                  scale_zero.sizes() == at::IntArrayRef(want),
-              "scales: contiguous fp32 ", at::IntArrayRef(want));
+  check_inputs<Q4_1>(x, w, scale_zero);
   const int64_t rows = x.size(0), k = x.size(1), blocks = w.size(0), groups = w.size(1);
-  TORCH_CHECK(groups * kGroup == k, "x has ", k, " inputs, the weight ", groups * kGroup);
   const int64_t n = blocks * kBlock;
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({rows, n}, x.options());

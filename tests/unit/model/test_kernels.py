@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -249,13 +250,14 @@ def test_no_rows_and_zero_activations() -> None:
 
 
 @needs_kernel
-def test_the_kernel_refuses_mismatched_shapes_with_a_clear_error() -> None:
+@pytest.mark.parametrize("matmul", [kernels.int4_matmul, kernels.int4_matmul_q8])
+def test_the_kernel_refuses_mismatched_shapes_with_a_clear_error(matmul: Any) -> None:
     w = weight(32, 64)
     packed = kernels.pack_int4(w.q, w.scale, w.low)
     with pytest.raises(RuntimeError, match="x has 96 inputs, the weight 64"):
-        kernels.int4_matmul(torch.zeros(2, 96, dtype=torch.bfloat16), *packed)
+        matmul(torch.zeros(2, 96, dtype=torch.bfloat16), *packed)
     with pytest.raises(RuntimeError, match="x: bf16"):
-        kernels.int4_matmul(torch.zeros(2, 64), *packed)
+        matmul(torch.zeros(2, 64), *packed)
 
 
 def test_pack_int4_needs_blocks_of_16_outputs_and_32_inputs() -> None:
