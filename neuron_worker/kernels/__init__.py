@@ -340,8 +340,9 @@ def int8_matmul_f32(x: Tensor, packed: Tensor, scale: Tensor) -> Tensor:
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, slots: Tensor, pos: Tensor) -> Tensor:
     """Softmax attention of q (bf16 or fp32 [B, H, R, D], as the cache; query row r is token
     r % T) over the cache slots `slots` [B] of k, v ([slots, H, L, D] views): query (b, r) attends
-    positions 0..pos[b, r % T] (pos [B, T]; clamped to 0..L-1). Scale 1/sqrt(D), as SDPA's
-    default. `attention_available(dtype)` says where it runs."""
+    positions 0..pos[b, r % T] (pos [B, T]; a position outside 0..L-1 is padding's and attends
+    position 0 only). Scale 1/sqrt(D), as SDPA's default. `attention_available(dtype)` says
+    where it runs."""
     if q.dtype == torch.float32:
         return torch.ops.maskwire_kernels.decode_attention_f32(q, k, v, slots, pos)
     return torch.ops.maskwire_kernels.decode_attention(q, k, v, slots, pos)

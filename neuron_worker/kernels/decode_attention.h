@@ -35,7 +35,9 @@ struct HeadTask {
 
 // q: [B, H, R, D] of `type`, query row r of row b at token r % T; k, v: [slots, H, L, D] of
 // `type` (views of the cache; the last dimension contiguous); slots: int64 [B]; pos: int64
-// [B, T]. Query (b, r) attends positions 0..min(max(pos[b, r % T], 0), L - 1) of slot slots[b];
+// [B, T]. Query (b, r) attends positions 0..pos[b, r % T] of slot slots[b]; a position outside
+// [0, L) is a padding token's (negative, or the scratch position past the cache) and attends
+// position 0 only, as the masked path's padding does, so padding rows cost one position, not L.
 // `attend(HeadTask<T>&)` computes one (b, KV head).
 template <class T, class Attend>
 at::Tensor attend_slots(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -77,7 +79,8 @@ at::Tensor attend_slots(const at::Tensor& q, const at::Tensor& k, const at::Tens
       const int64_t base = slot_of[b] * slot_stride + h * head_stride;
       int64_t span = 0;
       for (int64_t r = 0; r < rows; ++r) {
-        last[r] = std::min(std::max<int64_t>(pos_of[b * tokens + r % tokens], 0), length - 1);
+        const int64_t p = pos_of[b * tokens + r % tokens];
+        last[r] = p >= 0 && p < length ? p : 0;
         span = std::max(span, last[r] + 1);
       }
       const int64_t offset = task * rows * dim;

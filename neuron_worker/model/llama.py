@@ -141,8 +141,8 @@ class Attention(nn.Module):
         # rows of that head ([B, kvh, group*T, hd]); the mask is expanded to match.
         q = q.view(b, t, kvh, group, hd).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * t, hd)
         if self.decode_kernel and t == 1:
-            # write_pos is each token's position (padding: past the end, which the kernel clamps
-            # to the last position, so a padding row's finite output is garbage as below).
+            # write_pos is each token's position (padding: the scratch position past the end,
+            # which the kernel treats as padding: position 0 only, as the mask does below).
             y = kernels.decode_attention(
                 q,
                 self.kv_cache.k_cache[:, :, :kv_len],

@@ -334,7 +334,8 @@ def reference_attention(
     """SDPA in fp32 over each row's gathered slot, masked past each query's position."""
     tokens, length = pos.shape[1], k.shape[2]
     rows = q.shape[2]
-    last = pos.clamp(0, length - 1)[:, torch.arange(rows) % tokens]  # [B, R]
+    padding = (pos < 0) | (pos >= length)  # position 0 only
+    last = pos.masked_fill(padding, 0)[:, torch.arange(rows) % tokens]  # [B, R]
     mask = torch.arange(length) <= last.unsqueeze(-1)  # [B, R, L]
     return F.scaled_dot_product_attention(
         q.double(), k[slots].double(), v[slots].double(), attn_mask=mask.unsqueeze(1)
@@ -373,7 +374,8 @@ def test_decode_attention_matches_sdpa_over_each_rows_slot(
     cache = torch.randn(2, slots_n, heads, cache_len, dim, generator=g).to(dtype)
     k, v = cache[0, :, :, :length], cache[1, :, :, :length]  # strided views, as the model passes
     slots = torch.tensor([4, 0, 5, 2])
-    # row 1 is padding (-1: position 0 only) and row 3 reaches past the view (clamped)
+    # row 1 is padding (-1) and row 3's 60 is past the view (padding's scratch position): both
+    # attend position 0 only
     pos = torch.tensor([[10, 3, 17], [-1, -1, -1], [0, 1, 2], [28, 60, 5]])[:, :tokens]
     q = torch.randn(4, heads, group * tokens, dim, generator=g).to(dtype)
     got = kernels.decode_attention(q, k, v, slots, pos)
