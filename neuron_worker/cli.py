@@ -223,6 +223,14 @@ def _pass_flags(p: argparse.ArgumentParser) -> None:
         help="run grammar-forced tokens through the model in one pass (default on)",
     )
     g.add_argument(
+        "--fused-decode",
+        action=argparse.BooleanOptionalAction,
+        default=ENGINE.fused_decode,
+        help="run passes of one token per row as one C++ call through the worker's kernels, not "
+        "a graph, where it serves the model (bf16 on a CPU with the AVX512-BF16 kernels, one "
+        "device; default on)",
+    )
+    g.add_argument(
         "--overlap",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -232,6 +232,7 @@ def _engine_config(args: argparse.Namespace, *, overlap: bool, speculative: str)
         structured_outputs=args.structured_outputs,
         overlap=overlap,
         jump_forward=args.jump_forward,
+        fused_decode=args.fused_decode,
         speculative=_draft_config(args) if speculative == "ngram" else None,
     )
 

@@ -36,6 +36,9 @@ class EngineConfig:
     structured_outputs: bool = True
     overlap: bool = True
     jump_forward: bool = True
+    # Passes of one token per row as one C++ call (`neuron_worker.model.fused_decode`) where it
+    # serves the model; else the forward graph.
+    fused_decode: bool = True
     # Speculative decoding (n-gram drafts checked by the grammar); None = off.
     speculative: DraftConfig | None = None
 

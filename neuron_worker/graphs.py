@@ -42,7 +42,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -50,6 +50,8 @@ from torch import Tensor, nn
 
 from neuron_worker.backends import Backend
 from neuron_worker.cuda_graphs import DecodeGraphs
+from neuron_worker.model.fused_decode import FusedDecode, unsupported
+from neuron_worker.model.llama import Transformer
 from neuron_worker.saved_graphs import SavedGraphs
 from neuron_worker.scheduler import bucket_for, forward_shapes
 
@@ -121,13 +123,16 @@ class ForwardRunner:
         verify_width: int = 1,
         flat_tokens: int | None = None,
         graph_dir: Path | None = None,
+        fused_decode: bool = False,
     ) -> None:
         """Buckets given: the bucket policy (all three must be); none: dynamic shapes.
         `verify_width`: logits rows per row of a verification pass (1 + drafts; 1 = none).
         `flat_tokens`: the most real tokens of a multi-token pass run flat (module docstring;
         dynamic policy only; None = `max_rows * max(4, verify_width)`, 0 = never; at most
         `MAX_FLAT_TOKENS`). `graph_dir`: compiled dynamic graphs are saved there and loaded
-        from there (`neuron_worker.saved_graphs`; CPU only)."""
+        from there (`neuron_worker.saved_graphs`; CPU only). `fused_decode`: passes of one token
+        per row run `neuron_worker.model.fused_decode` where it serves the model (dynamic policy
+        only), not a graph."""
         self.model = model
         self.backend = backend
         self.max_rows = max_rows
@@ -150,6 +155,9 @@ class ForwardRunner:
         self._saved = self._saved_graphs(graph_dir)
         self._kv: Tensor | None = None
         self._cuda_graphs = self._decode_graphs()
+        # Decode passes through `FusedDecode` where it serves the model (`_fused_step`).
+        self.fused_decode = fused_decode and not self.bucketed
+        self._fused: FusedDecode | None = None
 
     def _pass_functions(self) -> dict[str, Callable[..., Tensor]]:
         """The pass functions by name, compiled where the backend compiles: `prefill_logits`
@@ -267,6 +275,9 @@ class ForwardRunner:
             with backend.inference_mode():
                 last = backend.to_device(torch.from_numpy(q.last))
                 return graphs.run(q.tokens, q.positions, q.slots, last, q.kv_len)
+        fused = self._fused_step() if one_token and not prefill else None
+        if fused is not None:
+            return self._run_fused(fused, q)
         with backend.inference_mode():
             args = (
                 backend.to_device(torch.from_numpy(q.tokens)),
@@ -285,6 +296,41 @@ class ForwardRunner:
             backend.mark_step()
             backend.sync()
         return logits
+
+    def _run_fused(self, fused: FusedDecode, q: Pass) -> Tensor:
+        """A pass of one token per row through the fused step, less its trailing padding rows:
+        the shapes that keep graphs general (2 rows at least) cost it a row's work (a one-row
+        decode: ~20% of its time). A logits row of a padding row is garbage either way: here it
+        is a copy of the last real row's."""
+        real = q.tokens.shape[0]
+        while real > 1 and q.positions[real - 1, 0] < 0:
+            real -= 1
+        with self.backend.inference_mode():
+            return fused(
+                torch.from_numpy(q.tokens[:real]),
+                torch.from_numpy(q.positions[:real]),
+                torch.from_numpy(q.slots[:real]),
+                self._kv_positions(q.kv_len),
+                torch.from_numpy(np.minimum(q.last, real - 1)),
+            )
+
+    def _fused_step(self) -> FusedDecode | None:
+        """The fused decode step on the model's current KV caches (built at first use, again
+        after `setup_caches`), or None where it is off or cannot serve the model."""
+        if not self.fused_decode:
+            return None
+        model = self.model
+        if self._fused is None or not self._fused.serves(cast(Transformer, model)):
+            reason = unsupported(cast(nn.Module, model))
+            if reason is not None:
+                log.info("decode passes run the model's graphs: no fused decode step (%s)", reason)
+                self.fused_decode = False
+                return None
+            if self._fused is not None:
+                self._fused.close()
+            self._fused = FusedDecode(cast(Transformer, model))
+            log.info("decode passes run the fused decode step (one C++ call per pass)")
+        return self._fused
 
     def logits_rows(self, verify: bool = True) -> list[int]:
         """Every row count `run` returns (what the sampler must take); `verify=False`: only

@@ -171,6 +171,7 @@ class StepDevice:
             verify_width=config.verify_width,
             flat_tokens=config.flat_tokens,
             graph_dir=graph_dir,
+            fused_decode=config.fused_decode,
         )
         self.logits_size = int(model.config.vocab_size)
         self.occurrences: OccurrenceTable | None = None  # allocated with the KV cache

@@ -5,6 +5,8 @@
   and the 4-bit weights times 8-bit activations (`int4_matmul_q8`, VNNI integer dot products).
 * `decode_attention.cpp` (AVX512-BF16): attention for passes of one token per row, reading each
   row's KV cache slot in place.
+* `decode_step.cpp` (AVX512-BF16): a whole pass of one token per row in one call, through the
+  kernels above (`neuron_worker.model.fused_decode`).
 * `matmul_f32.cpp` (AVX2 + FMA): 4- and 8-bit weights (llama.cpp's Q4_1 and Q8_0 blocks) times
   fp32 activations, the same idea for CPUs where bf16 is emulated and the worker runs fp32.
 * `decode_attention_f32.cpp` (AVX2 + FMA): the decode attention for fp32 caches.
@@ -65,7 +67,12 @@ KERNEL_SETS = (
     KernelSet(
         "avx512-bf16",
         ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"),
-        (_HERE / "matmul_bf16.cpp", _HERE / "decode_attention.cpp", *F32_SOURCES),
+        (
+            _HERE / "matmul_bf16.cpp",
+            _HERE / "decode_attention.cpp",
+            _HERE / "decode_step.cpp",
+            *F32_SOURCES,
+        ),
         (
             "-mavx2",
             "-mfma",
