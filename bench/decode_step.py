@@ -1,15 +1,16 @@
 """A decode pass on this CPU: the compiled forward graph against the fused decode step.
 
-The embedded SmolLM2-135M as the worker serves it (bf16, the checkpoint's Q4_1 layers and Q8_0
-head through the worker's kernels), one token per row through `graphs.ForwardRunner`: `graph` is
+The embedded SmolLM2-135M as the worker serves it (the checkpoint's Q4_1 layers and Q8_0 head
+through the worker's kernels; bf16 as on an AVX512-BF16 host, or `--dtype float32` as on an
+AVX2-only one, through its fp32 kernels), one token per row through `graphs.ForwardRunner`: `graph` is
 the compiled dynamic graph (saved and loaded as the worker does, in a temporary directory),
 `fused` is `neuron_worker.model.fused_decode` (one C++ call per pass). Rows 1 (a decode padded to
 two rows, as the engine sends it), 4 and 8, every row at the same context. The variants run on
 the same model and caches, interleaved per repeat; each figure is the median of `--repeats`
 timings of `--calls` passes, and each ratio the median of the per-repeat ratios.
 
-Writes bench/results/decode_step.json and .png. Needs the AVX512-BF16 kernels.
-Usage: python bench/decode_step.py [--context 100] [--repeats 9]
+Writes bench/results/decode_step.json (float32: decode_step_f32.json) and .png. bf16 needs the
+AVX512-BF16 kernels. Usage: python bench/decode_step.py [--dtype float32] [--context 100]
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("ms per decode pass (median)")
     load = results["load_average"]
     ax.set_title(
-        f"SmolLM2 decode pass at context {results['context']}, {results['cpu']['model']}, "
+        f"SmolLM2 {results['dtype']} decode pass at context {results['context']}, "
+        f"{results['cpu']['model']}, "
         f"{results['cpu']['torch_threads']} threads, load {load['before']:.1f} -> "
         f"{load['after']:.1f}",
         fontsize=8,
@@ -98,18 +100,23 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=100, help="each row's position")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--calls", type=int, default=40, help="passes per timing")
-    parser.add_argument("--out", type=Path, default=RESULTS / "decode_step.json")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--out", type=Path, help="default bench/results/decode_step[_f32].json")
     args = parser.parse_args()
-    if not kernels.bf16_available():
-        raise SystemExit("the fused decode step needs the AVX512-BF16 kernels")
+    dtype = getattr(torch, args.dtype)
+    if not (kernels.bf16_available() if dtype == torch.bfloat16 else kernels.available()):
+        raise SystemExit(f"no {args.dtype} kernels on this CPU")
+    suffix = "_f32" if dtype == torch.float32 else ""
+    out_path: Path = args.out or RESULTS / f"decode_step{suffix}.json"
     results: dict[str, Any] = {
         "cpu": cpu_info(),
         "torch": torch.__version__,
         "context": args.context,
+        "dtype": args.dtype,
         "load_average": {"before": os.getloadavg()[0]},
         "cases": [],
     }
-    model = load_model("default", dtype=torch.bfloat16, serving=True, quantize="int4").eval()
+    model = load_model("default", dtype=dtype, serving=True, quantize="int4").eval()
     model.setup_caches(MAX_ROWS + 1, MAX_SEQ)
     backend = create_backend("cpu", compile=True)
     with tempfile.TemporaryDirectory(prefix="maskwire-graphs-") as graphs:
@@ -152,10 +159,10 @@ def main() -> int:
                 flush=True,
             )
     results["load_average"]["after"] = os.getloadavg()[0]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, out_path.with_suffix(".png"))
+    print(f"wrote {out_path} and {out_path.with_suffix('.png')}")
     return 0
 
 

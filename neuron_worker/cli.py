@@ -227,8 +227,8 @@ def _pass_flags(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=ENGINE.fused_decode,
         help="run passes of one token per row as one C++ call through the worker's kernels, not "
-        "a graph, where it serves the model (bf16 on a CPU with the AVX512-BF16 kernels, one "
-        "device; default on)",
+        "a graph, where it serves the model (bf16 with the AVX512-BF16 kernels or fp32 with the "
+        "AVX2 ones, one device; default on)",
     )
     g.add_argument(
         "--overlap",

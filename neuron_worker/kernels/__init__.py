@@ -6,15 +6,17 @@
 * `decode_attention.cpp` (AVX512-BF16): attention for passes of one token per row, reading each
   row's KV cache slot in place.
 * `decode_step.cpp` (AVX512-BF16): a whole pass of one token per row in one call, through the
-  kernels above (`neuron_worker.model.fused_decode`).
+  kernels above (`neuron_worker.model.fused_decode`); `decode_step.h` holds what it shares with
+  `decode_step_f32.cpp` (below), `vector_math.h` the exp the kernels share.
 * `matmul_f32.cpp` (AVX2 + FMA): 4- and 8-bit weights (llama.cpp's Q4_1 and Q8_0 blocks) times
   fp32 activations, the same idea for CPUs where bf16 is emulated and the worker runs fp32.
 * `decode_attention_f32.cpp` (AVX2 + FMA): the decode attention for fp32 caches.
+* `decode_step_f32.cpp` (AVX2 + FMA): the whole decode pass for fp32 models.
 
 Each file's header says how; `decode_attention.h` holds what the two attention files share (input
 checks, the positions each query attends, the split into tasks), `matmul.h` what the two matmul
 files share (passes of up to 8 rows, output channel blocks over the threads). The library holds the
-files the CPU can run (`KERNEL_SETS`: all four on AVX512-BF16, the two fp32 ones on AVX2). They
+files the CPU can run (`KERNEL_SETS`: all six on AVX512-BF16, the three fp32 ones on AVX2). They
 split their work over torch's intra-op threads (`at::parallel_for`, which is serial unless the
 library is built with `-fopenmp`; it then shares the OpenMP runtime torch has loaded). They need a
 C++ compiler (inductor already does); where it or the CPU features are missing, or
@@ -62,7 +64,11 @@ class KernelSet:
     bf16: bool  # the bf16 kernels (int4_matmul, int8_matmul, decode_attention) are in it
 
 
-F32_SOURCES = (_HERE / "matmul_f32.cpp", _HERE / "decode_attention_f32.cpp")
+F32_SOURCES = (
+    _HERE / "matmul_f32.cpp",
+    _HERE / "decode_attention_f32.cpp",
+    _HERE / "decode_step_f32.cpp",
+)
 KERNEL_SETS = (
     KernelSet(
         "avx512-bf16",

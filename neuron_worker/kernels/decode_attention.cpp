@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include "decode_attention.h"
+#include "vector_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -24,24 +25,6 @@ inline __m512 load_bf16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// exp for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-6 polynomial for e^r, then scale by
-// 2^n), 16 lanes at a time: a scalar exp per score would cost more than the rest of the kernel.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Softmax of s[0..count) in place, returning the normalizer (the caller divides by it).
 inline float softmax_unnormalized(float* s, int64_t count) {
   __m512 top = _mm512_set1_ps(-INFINITY);
@@ -53,7 +36,7 @@ inline float softmax_unnormalized(float* s, int64_t count) {
   __m512 total = _mm512_setzero_ps();
   for (int64_t i = 0; i < count; i += kLanes) {
     const __mmask16 m = count - i >= kLanes ? 0xffff : (1u << (count - i)) - 1;
-    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), peak));
+    const __m512 e = maskwire::exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), peak));
     _mm512_mask_storeu_ps(s + i, m, e);
     total = _mm512_mask_add_ps(total, m, total, e);
   }

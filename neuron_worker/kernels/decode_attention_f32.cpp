@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include "decode_attention.h"
+#include "vector_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -18,26 +19,6 @@
 namespace {
 
 constexpr int64_t kLanes = 8;
-
-// exp for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-6 polynomial for e^r, then scale by
-// 2^n, built in the exponent bits: n >= -126 after the clamp), 8 lanes at a time.
-inline __m256 exp_ps(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i bits =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
 
 inline float sum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -68,7 +49,7 @@ inline float softmax_unnormalized(float* s, int64_t count) {
   const __m256 peaks = _mm256_set1_ps(peak);
   __m256 total = _mm256_setzero_ps();
   for (int64_t i = 0; i < whole; i += kLanes) {
-    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), peaks));
+    const __m256 e = maskwire::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), peaks));
     _mm256_storeu_ps(s + i, e);
     total = _mm256_add_ps(total, e);
   }

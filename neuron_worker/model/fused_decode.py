@@ -1,17 +1,21 @@
-"""A whole decode pass (one token per row) in one C++ call: `kernels/decode_step.cpp`.
+"""A whole decode pass (one token per row) in one C++ call: `kernels/decode_step.h`.
 
-The compiled graph of a decode pass spends about 1 ms outside its kernels on SmolLM2 with 2 cores
+The compiled graph of a decode pass spends 1-2 ms outside its kernels on SmolLM2 with 2 cores
 (custom-op dispatches and allocations in inductor's Python wrapper, and the graph's prologue
-gathering every weight from the module tree), a sixth of a one-row pass. `FusedDecode` hands the
+gathering every weight from the module tree), a third of a one-row pass. `FusedDecode` hands the
 model's weights and KV caches to the C++ side once, and each pass is one call running the same
-kernels in a C++ loop over the layers, with the compiled graph's rounding (module docstring of the
-C++ file). It serves `Transformer.step_logits` for passes of one token per row where the model is
-bf16 on a CPU with the bf16 kernels, attends in place, runs on one device (no tensor-parallel
-reduction) and each projection's decode form is one the C++ side calls (the worker's 4- and 8-bit
-kernels, or a oneDNN-prepacked dense weight); `FusedDecode.of` says why not otherwise.
+kernels in a C++ loop over the layers, with the compiled graph's rounding (the C++ header's
+comment). It serves `Transformer.step_logits` for passes of one token per row where the model is
+bf16 on a CPU with the AVX512-BF16 kernels or fp32 on one with the AVX2 ones, attends in place,
+runs on one device (no tensor-parallel reduction) and each projection's decode form is one the C++
+side calls (the worker's 4- and 8-bit kernels for its dtype, or a oneDNN-prepacked dense weight);
+`unsupported` says why not otherwise.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +33,22 @@ from neuron_worker.model.llama import (
 # `decode_step.cpp`'s projection forms, by the layer's decode scheme (own bf16 kernels).
 _FORMS = {"int4": 0, "int8": 1, "int4a8": 2}
 _DENSE = 3
+
+
+@dataclass(frozen=True)
+class _Step:
+    """The C++ step of one model dtype: its ops' name prefix, the kernel (`kernel_for`'s name)
+    its quantized projections must run, and whether this CPU has it."""
+
+    ops: str
+    kernel: str
+    available: Callable[[], bool]
+
+
+_STEPS = {
+    torch.bfloat16: _Step("decode_step", "own-bf16", kernels.bf16_available),
+    torch.float32: _Step("decode_step_f32", "own-f32", kernels.available),
+}
 
 
 class FusedDecode:
@@ -75,7 +95,11 @@ class FusedDecode:
                 add(layer)
         c = model.config
         sizes = [c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, model.max_seq]
-        self.handle = torch.ops.maskwire_kernels.decode_step_new(tensors, forms, sizes, c.norm_eps)
+        ops = _STEPS[model.tok_embeddings.weight.dtype].ops
+        self._new, self._run, self._free = (
+            getattr(torch.ops.maskwire_kernels, f"{ops}_{name}") for name in ("new", "run", "free")
+        )
+        self.handle = self._new(tensors, forms, sizes, c.norm_eps)
         self._cache = model.kv_caches()[0].k_cache  # `serves` checks it is still the model's
 
     def serves(self, model: Transformer) -> bool:
@@ -95,7 +119,7 @@ class FusedDecode:
     ) -> Tensor:
         """`Transformer.step_logits` for tokens, input_pos int64 [rows, 1]: fp32 [len(last),
         vocab]."""
-        logits: Tensor = torch.ops.maskwire_kernels.decode_step_run(
+        logits: Tensor = self._run(
             self.handle,
             tokens.reshape(-1),
             input_pos.reshape(-1),
@@ -108,7 +132,7 @@ class FusedDecode:
     def close(self) -> None:
         """Release the C++ side's references to the weights and caches (idempotent)."""
         if self.handle >= 0:
-            torch.ops.maskwire_kernels.decode_step_free(self.handle)
+            self._free(self.handle)
             self.handle = -1
 
     def __del__(self) -> None:
@@ -120,10 +144,11 @@ def unsupported(model: nn.Module) -> str | None:
     if not isinstance(model, Transformer):
         return "not a maskwire Transformer"
     weight = model.tok_embeddings.weight
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
-        return "runs bf16 models on a CPU only"
-    if not kernels.bf16_available():
-        return "the bf16 kernels are not built on this CPU"
+    step = _STEPS.get(weight.dtype)
+    if weight.device.type != "cpu" or step is None:
+        return "runs bf16 and fp32 models on a CPU only"
+    if not step.available():
+        return f"the {step.kernel} kernels are not built on this CPU"
     if model.max_seq == 0:
         return "no KV cache yet (setup_caches)"
     if not model.attends_in_place:
@@ -135,16 +160,16 @@ def unsupported(model: nn.Module) -> str | None:
         if not (attn.reduce is _identity and ffn.reduce is _identity):
             return "a tensor-parallel model"
         for layer in (attn.wqkv, attn.wo, ffn.w13, ffn.w2):
-            if (why := _unsupported_projection(layer)) is not None:
+            if (why := _unsupported_projection(layer, step.kernel)) is not None:
                 return why
-    return _unsupported_projection(model.output)
+    return _unsupported_projection(model.output, step.kernel)
 
 
-def _unsupported_projection(layer: nn.Module) -> str | None:
+def _unsupported_projection(layer: nn.Module, kernel: str) -> str | None:
     if not isinstance(layer, ServingLinear):
         return "plain nn.Linear projections (no serving linears)"
     if layer.quantize == "none":
         return None if layer.handle is not None else "a dense projection oneDNN did not prepack"
-    if layer.kernel != "own-bf16" or layer.quantize not in _FORMS:
+    if layer.kernel != kernel or layer.quantize not in _FORMS:
         return f"a {layer.quantize} projection on {layer.kernel}"
     return None
