@@ -55,6 +55,11 @@ def test_every_flag_default_is_the_configurations_default() -> None:
     assert config.server.port == 50051 and config.server.tls_mode == "plaintext"
 
 
+def test_the_fused_decode_step_is_on_by_default_and_can_be_turned_off() -> None:
+    assert build().engine.fused_decode
+    assert not build("--no-fused-decode").engine.fused_decode
+
+
 def test_structured_outputs_off_needs_no_grammar_service() -> None:
     config = worker_config(parse("--disable-structured-outputs"))
     assert config.grammar is None and not config.engine.structured_outputs
