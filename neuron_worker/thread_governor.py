@@ -264,6 +264,13 @@ class ThreadGovernor:
         self._resize(trial.was)  # the tried size was no better: back to the one before
         self._interval_ns = min(2 * self._interval_ns, _ns(self.config.max_probe_interval_s))
         if growing:
+            log.info(
+                "intra-op threads stay %d: %d threads: %s; trying again in %.0f s",
+                trial.was,
+                trial.size,
+                _compared(ratio),
+                self._interval_ns / 1e9,
+            )
             self._next_probe_ns = self._clock() + self._interval_ns
         else:
             # The stall is there but costs less than a thread (the stack's own processes, say):

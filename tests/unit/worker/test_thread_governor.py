@@ -171,19 +171,25 @@ def test_a_probe_restores_the_full_team_when_the_neighbour_left() -> None:
     assert gov.threads == 2
 
 
-def test_failed_probes_back_off_exponentially_up_to_the_cap() -> None:
+def test_failed_probes_back_off_exponentially_up_to_the_cap(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     host = Host()
     gov = host.governor(first_probe_s=2.0, max_probe_interval_s=8.0)
     host.neighbour()  # a neighbour that stays
     host.call(gov, 12)
     assert gov.threads == 1
     probe_times = []
-    for _ in range(300):
-        before = gov.probes
-        host.call(gov)
-        if gov.probes > before:
-            probe_times.append(host.now / 1e9)
-        host.idle(0.1)
+    with caplog.at_level(logging.INFO, logger="neuron_worker.thread_governor"):
+        for _ in range(300):
+            before = gov.probes
+            host.call(gov)
+            if gov.probes > before:
+                probe_times.append(host.now / 1e9)
+            host.idle(0.1)
+    # each failed probe says so, and when the next one comes
+    assert "intra-op threads stay 1: 2 threads: the same calls in" in caplog.text
+    assert "trying again in 8 s" in caplog.text
     gaps = [b - a for a, b in itertools.pairwise(probe_times)]
     # Each failed probe doubles the wait, capped at 8 s (plus the probe's own window and the
     # rest of the window running when it is due: probes start between windows).
