@@ -30,7 +30,7 @@ from neuron_worker.model.llama import (
     _identity,
 )
 
-# `decode_step.cpp`'s projection forms, by the layer's decode scheme (own bf16 kernels).
+# `decode_step.h`'s projection forms, by the layer's decode scheme (the worker's own kernels).
 _FORMS = {"int4": 0, "int8": 1, "int4a8": 2}
 _DENSE = 3
 
