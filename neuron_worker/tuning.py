@@ -131,7 +131,8 @@ def resolve(
             )
     compiled = compile if compile is not None else device in ("cpu", "cuda")
     if quantize == "auto":
-        # Timed among int4, int4a8, int8 and dense where the 4-bit model is the checkpoint and fast.
+        # Timed among int4, int8 and dense where the 4-bit model is the checkpoint and fast
+        # (int4a8 rounds the activations: a forced choice only).
         eligible = device == "cpu" and fast_int4(resolved_dtype) and q4_checkpoint(spec)
         quantize = "auto" if eligible else "none"
     elif quantize != "none" and device != "cpu":

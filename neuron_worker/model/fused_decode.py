@@ -22,13 +22,7 @@ from torch import Tensor, nn
 
 from neuron_worker import kernels
 from neuron_worker.model.linear import ServingLinear
-from neuron_worker.model.llama import (
-    Attention,
-    FeedForward,
-    Transformer,
-    TransformerBlock,
-    _identity,
-)
+from neuron_worker.model.llama import Transformer, TransformerBlock
 
 # `decode_step.h`'s projection forms, by the layer's decode scheme (the worker's own kernels).
 _FORMS = {"int4": 0, "int8": 1, "int4a8": 2}
@@ -153,12 +147,11 @@ def unsupported(model: nn.Module) -> str | None:
         return "no KV cache yet (setup_caches)"
     if not model.attends_in_place:
         return "attention does not read the cache in place"
+    if not model.on_one_device:
+        return "a tensor-parallel model"
     for block in model.layers:
         assert isinstance(block, TransformerBlock)
         attn, ffn = block.attention, block.feed_forward
-        assert isinstance(attn, Attention) and isinstance(ffn, FeedForward)
-        if not (attn.reduce is _identity and ffn.reduce is _identity):
-            return "a tensor-parallel model"
         for layer in (attn.wqkv, attn.wo, ffn.w13, ffn.w2):
             if (why := _unsupported_projection(layer, step.kernel)) is not None:
                 return why

@@ -385,6 +385,17 @@ class Transformer(nn.Module):
             for layer in self.layers
         )
 
+    @property
+    def on_one_device(self) -> bool:
+        """Whether no layer sums partial outputs across a tensor-parallel group
+        (`neuron_worker.parallel` sets the layers' `reduce`)."""
+        return all(
+            isinstance(layer, TransformerBlock)
+            and layer.attention.reduce is _identity
+            and layer.feed_forward.reduce is _identity
+            for layer in self.layers
+        )
+
     def kv_caches(self) -> list[KVCache]:
         """Each layer's cache (empty before `setup_caches`)."""
         caches = []

@@ -181,6 +181,9 @@ def test_models_it_cannot_serve_say_why() -> None:
     plain = build_model(SERVING, random_weights(SERVING))
     plain.setup_caches(2, 64)
     assert unsupported(plain) == "attention does not read the cache in place"
+    sharded = serving("int4", torch.float32)
+    sharded.layers[1].feed_forward.reduce = lambda y: y  # as `neuron_worker.parallel` sets it
+    assert unsupported(sharded) == "a tensor-parallel model"
     no_cache = build_model(SERVING, random_weights(SERVING))
     no_cache.use_serving_linears("int4")
     assert unsupported(no_cache) == "no KV cache yet (setup_caches)"
