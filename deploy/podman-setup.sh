@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Prepare this machine to build and run the images with podman (CI's container stage runs it):
-# Debian's podman, podman-compose, mmdebstrap and runc where missing, and the engine settings that
-# run containers on a VM with cgroups in hybrid mode whose limits cannot be raised:
+# Debian's podman, podman-compose, mmdebstrap and runc where missing; the CNI plugin that gives a
+# compose network its DNS (bookworm's podman 4.3 uses CNI, where containers resolve each other's
+# service names only through dnsname); and the engine settings that run containers on a VM with
+# cgroups in hybrid mode whose limits cannot be raised:
 #   runtime = "runc"       crun refuses to start containers with cgroups in hybrid mode;
 #   default_ulimits = []   podman otherwise raises RLIMIT_NOFILE / RLIMIT_NPROC in every container,
 #                          which such a VM does not permit ("error setting rlimit type 7").
 # Idempotent; run as root on Debian (bookworm: podman 4.3, podman-compose 1.0.3).
 set -euo pipefail
 
-packages=(podman podman-compose mmdebstrap runc uidmap slirp4netns fuse-overlayfs)
+packages=(podman podman-compose mmdebstrap runc uidmap slirp4netns fuse-overlayfs
+  golang-github-containernetworking-plugin-dnsname)
 conf=/etc/containers/containers.conf.d/50-maskwire.conf
 
 missing=()

@@ -55,7 +55,29 @@ def engine_problem() -> str | None:
     )  # fmt: skip
     if probe.returncode != 0:
         return f"podman cannot run a container here: {probe.stderr.strip()[-2000:]}"
-    return None
+    return dns_problem()
+
+
+def dns_problem() -> str | None:
+    """Why containers on one network cannot resolve each other's names (the stack finds its
+    services by name), or None when they can."""
+    tag = f"maskwire-dns-probe-{os.getpid()}"
+    python = ("--entrypoint=python", IMAGES["gateway"], "-c")
+    podman("network", "create", tag)
+    try:
+        podman("run", "-d", "--rm", f"--network={tag}", f"--name={tag}", *python,
+               "import time; time.sleep(60)")  # fmt: skip
+        lookup = podman("run", "--rm", f"--network={tag}", *python,
+                        f"import socket; socket.getaddrinfo('{tag}', 80)", check=False)  # fmt: skip
+        if lookup.returncode != 0:
+            return (
+                "containers on one network cannot resolve each other's names (with CNI, the "
+                f"dnsname plugin is missing); {SETUP}: {lookup.stderr.strip()[-500:]}"
+            )
+        return None
+    finally:
+        podman("rm", "-f", "-t", "0", tag, check=False)
+        podman("network", "rm", "-f", tag, check=False)
 
 
 class ComposeStack:
