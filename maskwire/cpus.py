@@ -114,6 +114,31 @@ def _v1_groups(root: Path, proc_cgroup: Path) -> list[Path]:
     return [*groups, root / "cpu"]
 
 
+def idle_cpu_ns(stat: Path = Path("/proc/stat"), cpus: set[int] | None = None) -> int | None:
+    """Nanoseconds the CPUs in `cpus` (default: this process's affinity mask) have spent idle
+    since boot (`idle` + `iowait` of their `/proc/stat` lines), or None where unreadable."""
+    if cpus is None:
+        try:
+            cpus = os.sched_getaffinity(0)
+        except AttributeError:  # not Linux
+            return None
+    try:
+        text = stat.read_text()
+    except OSError:
+        return None
+    ticks = 0
+    for line in text.splitlines():
+        if not line.startswith("cpu") or line.startswith("cpu "):
+            continue
+        name, *fields = line.split()
+        try:
+            if int(name[3:]) in cpus:
+                ticks += int(fields[3]) + int(fields[4])
+        except (ValueError, IndexError):
+            return None
+    return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
 def cpu_model_and_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, frozenset[str]]:
     """The first processor's model name and instruction-set flags (empty where unreadable)."""
     model, flags = "", frozenset[str]()

@@ -14,12 +14,18 @@ more than its share). That stall is only the cue: a stall can also come from the
 grammar service or gateway, whose bursts cost the team less than a thread would. When it passes
 `shrink_at` of the calls' wall time, the governor tries a team smaller by the threads' worth of
 time it lost and keeps it only if the same calls (equal keys: the same pass shape) ran faster
-than just before; otherwise it goes back and waits before trying again. While shrunk, it tries
+than at the full size since the stall began (times from before it would set a neighbour's
+calls against quiet ones); otherwise it goes back and waits before trying again. A trial that
+finds no such calls keeps the smaller team when the stall was a whole thread's worth (a core
+taken), and goes back when it was less (the stack's own bursts). While shrunk, it tries
 the full team now and then and keeps it when that is faster, or when the smaller team has not
 run the same calls lately (nothing to compare: the stall decides again). Each failed try doubles
 the wait before the next (up to `max_probe_interval_s`), so a lasting condition costs a few slow
 calls a minute; a stall half a thread or more above the one a failed try started on is a new
-condition (a neighbour arrived) and is tried at once.
+condition (a neighbour arrived) and is tried at once. The same holds the other way: while shrunk,
+a window in which the CPUs the process may use sat idle for half the threads the team lacks (the
+neighbour left) tries the full team at once instead of waiting out the back-off, which after a
+long busy spell reaches `max_probe_interval_s`.
 """
 
 from __future__ import annotations
@@ -33,7 +39,13 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
-from maskwire.cpus import ThrottleSource, cgroup_cpu_quota, read_throttled_ns, throttle_source
+from maskwire.cpus import (
+    ThrottleSource,
+    cgroup_cpu_quota,
+    idle_cpu_ns,
+    read_throttled_ns,
+    throttle_source,
+)
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +126,24 @@ class GovernorConfig:
     # noise between two windows of a busy stack reaches +-30%, and a wrong shrink costs half
     # the throughput until the next probe.
     keep_smaller_below: float = 0.5
+    # ... or below this share when the stall was a whole thread's worth (`keep_unmeasured_stall`):
+    # a core taken makes the full team tens of times slower, so a smaller team that is faster
+    # at all is the better bet, and the idle-CPU cue undoes a wrong keep within a window.
+    keep_smaller_below_on_core_taken: float = 0.8
     trial_windows: int = 3  # windows a trial may take to run calls it can compare
+    # A smaller team's trial with nothing to compare is kept when the stall that started it was
+    # at least this many threads' worth: a core taken (the stack's own bursts read less). If
+    # the core was free after all, the idle-CPU cue below restores the team within a window.
+    keep_unmeasured_stall: float = 0.8
     # A stall this many threads' worth above the one a declined trial started on is a new
     # condition (a neighbour arrived), tried at once rather than after the back-off wait.
     fresh_stall: float = 0.5
     memory_s: float = 30.0  # how long a size's measured call times count as current
+    # While shrunk, idle CPUs worth this share of the threads the team lacks, over a window,
+    # try the full team at once (the neighbour left). A busy window (under half of it) re-arms
+    # the cue after a try it started failed, so idle CPUs that do not help (a quota's limit)
+    # cost one try per busy spell, not one per window.
+    spare_probe_at: float = 0.5
 
 
 Key = Hashable  # calls with equal keys do the same work (the pass's shape)
@@ -138,6 +163,7 @@ class ThreadGovernor:
         clock: Callable[[], int] = time.monotonic_ns,
         run_delay: Callable[[], int] = team_run_delay_ns,
         throttled: Callable[[], int | None] = quota_throttled_ns,
+        idle: Callable[[], int | None] = idle_cpu_ns,
     ) -> None:
         self.config = config
         self.threads = config.full
@@ -145,7 +171,14 @@ class ThreadGovernor:
         self._clock = clock
         self._run_delay = run_delay
         self._throttled = throttled
+        self._idle = idle
         self._window = _Window()
+        # While shrunk: (clock, idle ns) when the running window began, and the time between its
+        # calls so far (the worker idles then, so the CPUs' idle time says nothing of others).
+        self._idle_mark: tuple[int, int] | None = None
+        self._gap_ns = 0
+        self._last_after_ns: int | None = None
+        self._spare_armed = True
         # team size -> key -> (mean call ns, when measured): what each size did lately
         self._times: dict[int, dict[Key, tuple[float, int]]] = {}
         self._trial: _Trial | None = None
@@ -160,14 +193,13 @@ class ThreadGovernor:
     def before(self, key: Key = None) -> tuple[Key, int, int, int]:
         shrunk = self.threads < self.config.full
         between_windows = self._window.wall == 0  # a window's calls all ran at one size
-        if (
-            shrunk
-            and between_windows
-            and self._trial is None
-            and self._clock() >= self._next_probe_ns
-        ):
+        now = self._clock()
+        if shrunk and between_windows and self._trial is None and now >= self._next_probe_ns:
             self.probes += 1
             self._start_trial(self.config.full)
+            shrunk = False
+        if shrunk and self._trial is None:
+            self._mark_idle(now, between_windows)
         return key, self._clock(), self._run_delay(), self._throttled() or 0
 
     def after(self, token: tuple[Key, int, int, int]) -> None:
@@ -175,7 +207,8 @@ class ThreadGovernor:
         wall = self._clock() - began
         delay = self._run_delay() - delay0
         throttled = (self._throttled() or 0) - throttled0
-        self._window.add(key, wall, delay, throttled)
+        self._window.add(key, began, wall, delay, throttled)
+        self._last_after_ns = began + wall
         if self._window.wall >= _ns(self.config.window_s):
             window, self._window = self._window, _Window()
             self._remember(window)  # at the size it ran at, before any change
@@ -183,6 +216,28 @@ class ThreadGovernor:
                 self._judge(self._trial, window)
             else:
                 self._watch(window)
+
+    def _mark_idle(self, now: int, window_begins: bool) -> None:
+        """Track the idle time of the allowed CPUs over a shrunk team's window, less its gaps."""
+        if window_begins or self._idle_mark is None:
+            idle = self._idle()
+            self._idle_mark = None if idle is None else (now, idle)
+            self._gap_ns = 0
+        elif self._last_after_ns is not None:
+            self._gap_ns += max(0, now - self._last_after_ns)
+
+    def _spare_cpus(self) -> float | None:
+        """CPUs' worth of idle time on the allowed CPUs while the closing window's calls ran (a
+        gap between calls counts as all CPUs idle, which only ever lowers it); None unmeasured."""
+        mark, self._idle_mark = self._idle_mark, None
+        idle = self._idle()
+        if mark is None or idle is None:
+            return None
+        busy_ns = self._clock() - mark[0] - self._gap_ns
+        if busy_ns <= 0:
+            return None
+        gap_idle = self._gap_ns * self.config.full
+        return max(0.0, (idle - mark[1] - gap_idle) / busy_ns)
 
     def _remember(self, window: _Window) -> None:
         times = self._times.setdefault(self.threads, {})
@@ -192,7 +247,10 @@ class ThreadGovernor:
                 times[key] = (wall / n, now)
 
     def _watch(self, window: _Window) -> None:
-        """Between trials: a stall starts one with fewer threads (not sooner than allowed)."""
+        """Between trials: a stall starts one with fewer threads (not sooner than allowed); while
+        shrunk, CPUs left idle start a try of the full team."""
+        if self.threads < self.config.full and self._spare_cue():
+            return
         stall = window.stall(self.threads)
         if stall < self.config.shrink_at or self.threads == 1:
             return
@@ -201,26 +259,48 @@ class ThreadGovernor:
             return
         lost = max(1, round(stall))
         self.trials += 1
-        self._start_trial(max(1, self.threads - lost), stall=stall)
+        self._start_trial(max(1, self.threads - lost), stall=stall, since=window.began)
+
+    def _spare_cue(self) -> bool:
+        """Whether idle CPUs make the full team worth trying now (the next window starts it)."""
+        spare = self._spare_cpus()
+        if spare is None:
+            return False
+        wanted = self.config.spare_probe_at * (self.config.full - self.threads)
+        if spare < wanted / 2:
+            self._spare_armed = True  # busy again: the next idle spell is news
+        if spare < wanted or not self._spare_armed or self._clock() >= self._next_probe_ns:
+            return False
+        log.info(
+            "intra-op threads %d: the allowed CPUs sat idle %.2f CPUs' worth of the last window; "
+            "trying %d now",
+            self.threads,
+            spare,
+            self.config.full,
+        )
+        self._spare_armed = False
+        self._next_probe_ns = 0
+        return True
 
     def _fresh(self, stall: float) -> bool:
         """Whether `stall` is a new condition rather than the one a declined trial measured:
         the back-off only spares the team trials that would fail again."""
         return stall >= self._declined_stall + self.config.fresh_stall
 
-    def _start_trial(self, size: int, stall: float | None = None) -> None:
-        self._trial = _Trial(self.threads, size, stall)
+    def _start_trial(self, size: int, stall: float | None = None, since: int = 0) -> None:
+        self._trial = _Trial(self.threads, size, stall, since)
         self._resize(size)
 
-    def _relative_cost(self, window: _Window, size: int) -> float | None:
+    def _relative_cost(self, window: _Window, size: int, since: int = 0) -> float | None:
         """`window`'s calls' time over what the same calls took lately at `size` (keys in both,
-        weighted by the window's counts; None when none was measured within `memory_s`)."""
-        since = self._clock() - _ns(self.config.memory_s)
+        weighted by the window's counts; None when none was measured within `memory_s`, or
+        after `since`)."""
+        since = max(since, self._clock() - _ns(self.config.memory_s))
         times = self._times.get(size, {})
         mine = theirs = 0.0
         for key, (n, wall) in window.calls.items():
             seen = times.get(key)
-            if seen is None or seen[1] < since:
+            if seen is None or seen[1] <= since:  # measured before it
                 continue
             mine += wall
             theirs += n * seen[0]
@@ -231,7 +311,7 @@ class ThreadGovernor:
         with nothing to compare after `trial_windows` windows, go back to the size before."""
         trial.windows += 1
         trial.window.merge(window)
-        ratio = self._relative_cost(trial.window, trial.was)
+        ratio = self._relative_cost(trial.window, trial.was, trial.since)
         if ratio is None and trial.windows < self.config.trial_windows:
             return  # keep measuring
         self._trial = None
@@ -239,10 +319,19 @@ class ThreadGovernor:
         if growing and ratio is None:
             self._keep_unmeasured_probe(trial)
             return
-        better = 1.0 if growing else self.config.keep_smaller_below
+        if ratio is None and (trial.stall or 0.0) >= self.config.keep_unmeasured_stall:
+            self._keep_unmeasured_shrink(trial)
+            return
+        if growing:
+            better = 1.0
+        elif (trial.stall or 0.0) >= self.config.keep_unmeasured_stall:
+            better = self.config.keep_smaller_below_on_core_taken
+        else:
+            better = self.config.keep_smaller_below
         if ratio is not None and ratio < better:
             if growing:
                 log.info("intra-op threads back to %d (%s)", trial.size, _compared(ratio))
+                self._spare_armed = True
                 self._interval_ns = _ns(self.config.first_probe_s)
                 self._next_trial_ns = 0
                 self._declined_stall = 0.0
@@ -276,10 +365,33 @@ class ThreadGovernor:
             # The stall is there but costs less than a thread (the stack's own processes, say):
             # keep the team and look again later.
             log.info(
-                "intra-op threads stay %d: %d threads: %s", trial.was, trial.size, _compared(ratio)
+                "intra-op threads stay %d: the team waited %.2f threads' worth of time for CPUs, "
+                "%d threads: %s",
+                trial.was,
+                trial.stall or 0.0,
+                trial.size,
+                _compared(ratio),
             )
             self._next_trial_ns = self._clock() + self._interval_ns
             self._declined_stall = trial.stall or 0.0
+
+    def _keep_unmeasured_shrink(self, trial: _Trial) -> None:
+        """A whole thread's worth of stall and nothing to compare (the work changed shape when
+        the neighbour came): keep the smaller team. A neighbour costs the full team tens of
+        times its speed while one is there; a wrong shrink costs at most half, and only until
+        the idle-CPU cue or the next probe."""
+        self.shrinks += 1
+        self._next_probe_ns = self._clock() + self._interval_ns
+        log.info(
+            "intra-op threads %d -> %d: the team waited %.2f threads' worth of time for CPUs "
+            "(another process is using them), %s; trying %d again in %.0f s",
+            trial.was,
+            trial.size,
+            trial.stall or 0.0,
+            _compared(None),
+            self.config.full,
+            self._interval_ns / 1e9,
+        )
 
     def _keep_unmeasured_probe(self, trial: _Trial) -> None:
         """A probe of the full team found none of its calls run lately by the smaller one (the
@@ -301,26 +413,30 @@ class ThreadGovernor:
 
 
 class _Trial:
-    __slots__ = ("size", "stall", "was", "window", "windows")
+    __slots__ = ("since", "size", "stall", "was", "window", "windows")
 
-    def __init__(self, was: int, size: int, stall: float | None) -> None:
+    def __init__(self, was: int, size: int, stall: float | None, since: int) -> None:
         self.was = was  # team size before the trial
         self.size = size  # team size being tried
         self.stall = stall  # what started it (None: a probe of the full team)
+        self.since = since  # only times measured after this compare (the stall's start)
         self.window = _Window()  # the calls run at `size` so far
         self.windows = 0
 
 
 class _Window:
-    __slots__ = ("calls", "delay", "throttled", "wall")
+    __slots__ = ("began", "calls", "delay", "throttled", "wall")
 
     def __init__(self) -> None:
+        self.began = 0  # when its first call began
         self.wall = 0
         self.delay = 0
         self.throttled = 0
         self.calls: dict[Key, list[int]] = {}  # key -> [calls, wall ns]
 
-    def add(self, key: Key, wall: int, delay: int, throttled: int) -> None:
+    def add(self, key: Key, began: int, wall: int, delay: int, throttled: int) -> None:
+        if not self.calls:
+            self.began = began
         self.wall += wall
         self.delay += delay
         self.throttled += throttled

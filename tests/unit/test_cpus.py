@@ -1,4 +1,5 @@
-"""maskwire.cpus: thread pools follow a container's CPU limit, not the node's CPU count."""
+"""maskwire.cpus: thread pools follow a container's CPU limit, not the node's CPU count; the
+allowed CPUs' idle time."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from maskwire.cpus import (
     cgroup_cpu_quota,
     cgroup_throttled_ns,
     cpu_model_and_flags,
+    idle_cpu_ns,
 )
 
 AFFINITY = len(os.sched_getaffinity(0))
@@ -99,3 +101,19 @@ def test_the_first_processors_model_and_flags_are_read(tmp_path: Path) -> None:
     )
     assert cpu_model_and_flags(info) == ("Some CPU", frozenset({"fma", "avx2", "avx512f"}))
     assert cpu_model_and_flags(tmp_path / "missing") == ("", frozenset())
+
+
+def test_idle_time_sums_the_allowed_cpus_idle_and_iowait(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text(
+        "cpu  900 0 100 7000 30 0 0 0 0 0\n"
+        "cpu0 300 0 50 1000 10 0 0 0 0 0\n"
+        "cpu1 300 0 25 2000 20 0 0 0 0 0\n"
+        "cpu2 300 0 25 4000 0 0 0 0 0 0\n"
+        "intr 1 2 3\n"
+    )
+    tick_ns = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    assert idle_cpu_ns(stat, cpus={0, 2}) == (1000 + 10 + 4000) * tick_ns
+    assert idle_cpu_ns(stat, cpus={1}) == 2020 * tick_ns
+    assert idle_cpu_ns(tmp_path / "missing", cpus={0}) is None
+    assert idle_cpu_ns() is not None  # this machine's own

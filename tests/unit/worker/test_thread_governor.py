@@ -23,12 +23,16 @@ MS = 1_000_000
 class Host:
     """A scripted machine: a device call's wall time and the team's wait for CPUs in it (all
     threads together) depend on the team's size, as `cost[threads] = (call_ms, wait_ms)`; the
-    group is throttled `throttled_ms` per call."""
+    group is throttled `throttled_ms` per call; `spare` CPUs sit idle while calls run, and all
+    `full` CPUs between calls."""
 
     def __init__(self, full: int = 2) -> None:
+        self.full = full
         self.now = 0
         self.delay = 0
         self.throttled = 0
+        self.idle_ns = 0
+        self.spare = 0.0
         self.threads = full
         self.cost: dict[int, tuple[float, float]] = {n: (10.0 * full / n, 0.0) for n in range(1, 9)}
         self.throttled_ms = 0.0
@@ -45,6 +49,7 @@ class Host:
             clock=lambda: self.now,
             run_delay=lambda: self.delay,
             throttled=lambda: self.throttled,
+            idle=lambda: self.idle_ns,
         )
 
     def neighbour(self, full: int = 2, free: int = 1) -> None:
@@ -60,12 +65,14 @@ class Host:
             call_ms, wait_ms = self.cost[self.threads]
             token = gov.before(key)
             self.now += int(call_ms * scale * MS)
+            self.idle_ns += int(self.spare * call_ms * scale * MS)
             self.delay += int(wait_ms * scale * MS)
             self.throttled += int(self.throttled_ms * MS)
             gov.after(token)
 
     def idle(self, seconds: float) -> None:
         self.now += int(seconds * 1e9)
+        self.idle_ns += int(self.full * seconds * 1e9)
 
 
 def test_a_quiet_machine_keeps_the_full_team() -> None:
@@ -131,6 +138,19 @@ def test_a_smaller_team_only_somewhat_faster_is_not_kept() -> None:
     assert gov.trials == 1 and gov.threads == 2 and gov.shrinks == 0
 
 
+def test_a_whole_core_taken_keeps_a_smaller_team_that_is_faster_at_all() -> None:
+    """A whole thread's worth of stall is a core taken: a smaller team that runs the same calls
+    in 0.65x the time is kept (not only one under half), as the first trial beside a neighbour
+    that is still settling in often reads."""
+    host = Host()
+    host.cost[2], host.cost[1] = (100.0, 100.0), (65.0, 0.0)
+    gov = host.governor(window_s=0.2)
+    host.call(gov, 2)
+    assert gov.trials == 1 and gov.threads == 1
+    host.call(gov, 4)
+    assert gov.threads == 1 and gov.shrinks == 1
+
+
 def test_the_same_calls_are_compared_not_a_different_mix() -> None:
     """A trial window holding more of the expensive calls is not mistaken for a slower team."""
     host = Host()
@@ -169,6 +189,57 @@ def test_a_probe_restores_the_full_team_when_the_neighbour_left() -> None:
     assert gov.threads == 2 and host.sizes == [1, 2] and gov.probes == 1
     host.call(gov, 50)
     assert gov.threads == 2
+
+
+def test_idle_cpus_while_shrunk_try_the_full_team_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    """After a long busy spell the back-off waits up to its cap; a neighbour that leaves frees
+    its core, which then sits idle while the one-thread team runs: the full team is tried within
+    the next windows and kept, not after the wait."""
+    host = Host()
+    gov = host.governor(first_probe_s=30.0, max_probe_interval_s=60.0)
+    host.neighbour()
+    host.call(gov, 12)
+    assert gov.threads == 1 and gov.shrinks == 1
+    host.call(gov, 100)  # 2 s with the neighbour: no idle CPU, no probe
+    assert gov.threads == 1 and gov.probes == 0
+    host.neighbour(free=2)  # it leaves; its core now idles beside the team
+    host.spare = 0.9
+    with caplog.at_level(logging.INFO, logger="neuron_worker.thread_governor"):
+        host.call(gov, 30)  # 0.6 s, far within the 30 s wait
+    assert gov.threads == 2 and gov.probes == 1 and host.sizes == [1, 2]
+    assert "sat idle 0.90 CPUs' worth of the last window; trying 2 now" in caplog.text
+
+
+def test_gaps_between_calls_are_not_idle_cpus() -> None:
+    """A bursty load leaves every CPU idle between its calls: that is the worker's own pause,
+    not a core the neighbour gave back, and tries nothing."""
+    host = Host()
+    gov = host.governor(first_probe_s=30.0, max_probe_interval_s=60.0)
+    host.neighbour()
+    host.call(gov, 12)
+    assert gov.threads == 1
+    for _ in range(40):  # 22 s, within the 30 s wait
+        host.call(gov, 3)
+        host.idle(0.5)
+    assert gov.threads == 1 and gov.probes == 0
+
+
+def test_idle_cpus_that_do_not_help_are_tried_once_per_busy_spell() -> None:
+    """CPUs can sit idle while more threads still do not help (a quota elsewhere, say): one try
+    of the full team fails, and the cue waits for a busy window before it counts again."""
+    host = Host()
+    gov = host.governor(first_probe_s=30.0, max_probe_interval_s=60.0)
+    host.neighbour()
+    host.call(gov, 12)
+    assert gov.threads == 1
+    host.spare = 1.0  # idle, yet the full team stays ten times slower
+    host.call(gov, 200)
+    assert gov.threads == 1 and gov.probes == 1
+    host.spare = 0.0  # a busy window re-arms the cue
+    host.call(gov, 20)
+    host.spare = 1.0
+    host.call(gov, 40)
+    assert gov.threads == 1 and gov.probes == 2
 
 
 def test_failed_probes_back_off_exponentially_up_to_the_cap(
@@ -286,20 +357,58 @@ def test_a_compiled_graph_serves_any_team_size_without_compiling_again() -> None
     assert compiled_per_setting == [1, 2]  # the fixed-size kernels need a graph per size
 
 
-def test_a_trial_with_no_calls_to_compare_goes_back_to_the_size_before(
+def test_a_trial_with_no_calls_to_compare_goes_back_on_a_partial_stall(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """Under half a thread's worth of stall (the stack's own bursts) and nothing to compare:
+    no evidence that a core is gone, so the team goes back to its size."""
     host = Host()
-    host.neighbour()
+    host.cost[2], host.cost[1] = (14.0, 6.0), (20.0, 0.0)
     gov = host.governor(window_s=0.2, trial_windows=3)
     with caplog.at_level(logging.INFO, logger="neuron_worker.thread_governor"):
-        host.call(gov, 2, key="decode")
+        host.call(gov, 15, key="decode")
         assert gov.trials == 1 and gov.threads == 1
         host.call(gov, 20, key="verify")  # two windows of calls never measured at two threads
         assert gov.threads == 1  # still measuring
         host.call(gov, 10, key="verify")
     assert gov.threads == 2 and gov.shrinks == 0
-    assert "intra-op threads stay 2: 1 threads: no calls to compare" in caplog.text
+    assert "intra-op threads stay 2: the team waited 0.43 threads' worth" in caplog.text
+    assert "1 threads: no calls to compare" in caplog.text
+
+
+def test_a_trial_with_no_calls_to_compare_keeps_the_smaller_team_on_a_whole_thread_stall(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A neighbour took a core (a whole thread's worth of stall) and the work changed shape in
+    the trial: keeping the full team would cost tens of times its speed, so the smaller one
+    stays, and a probe comes after the usual wait."""
+    host = Host()
+    host.neighbour()
+    gov = host.governor(window_s=0.2, trial_windows=3, first_probe_s=2.0)
+    with caplog.at_level(logging.INFO, logger="neuron_worker.thread_governor"):
+        host.call(gov, 2, key="decode")
+        assert gov.trials == 1 and gov.threads == 1
+        host.call(gov, 30, key="verify")
+    assert gov.threads == 1 and gov.shrinks == 1
+    assert "2 -> 1: the team waited 1.00 threads' worth" in caplog.text
+    assert "no calls to compare; trying 2 again in 2 s" in caplog.text
+
+
+def test_times_from_before_the_stall_are_not_compared() -> None:
+    """Prefill passes ran at two threads while the machine was quiet; a neighbour then stalls
+    the decode passes. The trial's first window holds a prefill: set against its quiet time it
+    would read twice as slow at one thread. Only calls measured since the stall began count,
+    and the decode passes, ten times faster at one thread, decide."""
+    host = Host()
+    gov = host.governor(window_s=0.2, trial_windows=3)
+    host.call(gov, 5, key="prefill", scale=20.0)  # quiet: 200 ms each at two threads
+    host.neighbour()
+    host.call(gov, 2, key="decode")  # the stall window: 100 ms decode passes
+    assert gov.trials == 1 and gov.threads == 1
+    host.call(gov, 1, key="prefill", scale=20.0)  # 400 ms at one thread, a window of its own
+    assert gov.threads == 1 and gov.shrinks == 0  # still measuring
+    host.call(gov, 10, key="decode")  # 20 ms against 100 ms
+    assert gov.threads == 1 and gov.shrinks == 1
 
 
 def test_a_probe_compares_with_every_call_the_smaller_team_ran_lately() -> None:
@@ -358,16 +467,17 @@ def test_a_probe_with_nothing_to_compare_beside_a_neighbour_shrinks_again_and_ba
     assert (host.now - began) / 1e9 >= 4.0  # the wait doubled (the first was 2 s)
 
 
-def test_calls_of_unknown_work_are_never_compared() -> None:
+def test_calls_of_unknown_work_are_never_compared(caplog: pytest.LogCaptureFixture) -> None:
     """Calls without a key (a logits copy, the warm-up) do different work each time: a trial
-    with only those has nothing to compare and goes back."""
+    with only those has nothing to compare (the stall alone decides)."""
     host = Host()
     host.neighbour()
     gov = host.governor(window_s=0.2, trial_windows=2)
-    host.call(gov, 2, key=None)  # type: ignore[arg-type]
-    assert gov.trials == 1 and gov.threads == 1
-    host.call(gov, 20, key=None)  # type: ignore[arg-type]
-    assert gov.threads == 2 and gov.shrinks == 0
+    with caplog.at_level(logging.INFO, logger="neuron_worker.thread_governor"):
+        host.call(gov, 2, key=None)  # type: ignore[arg-type]
+        assert gov.trials == 1 and gov.threads == 1
+        host.call(gov, 20, key=None)  # type: ignore[arg-type]
+    assert "no calls to compare" in caplog.text and "the same calls in" not in caplog.text
 
 
 def test_a_compiled_sampler_serves_any_team_size_without_compiling_again() -> None:
