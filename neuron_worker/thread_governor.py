@@ -15,9 +15,10 @@ grammar service or gateway, whose bursts cost the team less than a thread would.
 `shrink_at` of the calls' wall time, the governor tries a team smaller by the threads' worth of
 time it lost and keeps it only if the same calls (equal keys: the same pass shape) ran faster
 than at the full size since the stall began (times from before it would set a neighbour's
-calls against quiet ones); otherwise it goes back and waits before trying again. A trial that
-finds no such calls keeps the smaller team when the stall was a whole thread's worth (a core
-taken), and goes back when it was less (the stack's own bursts). While shrunk, it tries
+calls against quiet ones); otherwise it goes back and waits before trying again. A stall of a
+whole thread's worth (a core taken) is judged more readily: a smaller team faster at all, or
+with nothing to compare, is kept, and one declined is tried again after the first wait, not a
+doubled one, since beside a neighbour the full team runs tens of times slower. While shrunk, it tries
 the full team now and then and keeps it when that is faster, or when the smaller team has not
 run the same calls lately (nothing to compare: the stall decides again). Each failed try doubles
 the wait before the next (up to `max_probe_interval_s`), so a lasting condition costs a few slow
@@ -25,7 +26,9 @@ calls a minute; a stall half a thread or more above the one a failed try started
 condition (a neighbour arrived) and is tried at once. The same holds the other way: while shrunk,
 a window in which the CPUs the process may use sat idle for half the threads the team lacks (the
 neighbour left) tries the full team at once instead of waiting out the back-off, which after a
-long busy spell reaches `max_probe_interval_s`.
+long busy spell reaches `max_probe_interval_s`. While those CPUs had no idle time at all in the
+last window (the neighbour is still there), a due try is skipped as if it had failed, until the
+wait reaches its cap: a try of the full team beside a neighbour costs a pass tens of times slower.
 """
 
 from __future__ import annotations
@@ -179,6 +182,7 @@ class ThreadGovernor:
         self._gap_ns = 0
         self._last_after_ns: int | None = None
         self._spare_armed = True
+        self._cpus_busy = False  # the last shrunk window's CPUs had no idle time
         # team size -> key -> (mean call ns, when measured): what each size did lately
         self._times: dict[int, dict[Key, tuple[float, int]]] = {}
         self._trial: _Trial | None = None
@@ -188,6 +192,7 @@ class ThreadGovernor:
         self._declined_stall = 0.0  # the stall a declined trial started on (none: 0)
         self.shrinks = 0
         self.probes = 0
+        self.skipped_probes = 0
         self.trials = 0
 
     def before(self, key: Key = None) -> tuple[Key, int, int, int]:
@@ -195,9 +200,12 @@ class ThreadGovernor:
         between_windows = self._window.wall == 0  # a window's calls all ran at one size
         now = self._clock()
         if shrunk and between_windows and self._trial is None and now >= self._next_probe_ns:
-            self.probes += 1
-            self._start_trial(self.config.full)
-            shrunk = False
+            if self._cpus_busy and self._interval_ns < _ns(self.config.max_probe_interval_s):
+                self._skip_probe(now)
+            else:
+                self.probes += 1
+                self._start_trial(self.config.full)
+                shrunk = False
         if shrunk and self._trial is None:
             self._mark_idle(now, between_windows)
         return key, self._clock(), self._run_delay(), self._throttled() or 0
@@ -216,6 +224,18 @@ class ThreadGovernor:
                 self._judge(self._trial, window)
             else:
                 self._watch(window)
+
+    def _skip_probe(self, now: int) -> None:
+        """The CPUs are all in use (a neighbour still there): count the due try as failed."""
+        self.skipped_probes += 1
+        self._interval_ns = min(2 * self._interval_ns, _ns(self.config.max_probe_interval_s))
+        self._next_probe_ns = now + self._interval_ns
+        log.info(
+            "intra-op threads stay %d: the allowed CPUs had no idle time; trying %d in %.0f s",
+            self.threads,
+            self.config.full,
+            self._interval_ns / 1e9,
+        )
 
     def _mark_idle(self, now: int, window_begins: bool) -> None:
         """Track the idle time of the allowed CPUs over a shrunk team's window, less its gaps."""
@@ -265,9 +285,11 @@ class ThreadGovernor:
         """Whether idle CPUs make the full team worth trying now (the next window starts it)."""
         spare = self._spare_cpus()
         if spare is None:
+            self._cpus_busy = False
             return False
         wanted = self.config.spare_probe_at * (self.config.full - self.threads)
-        if spare < wanted / 2:
+        self._cpus_busy = spare < wanted / 2
+        if self._cpus_busy:
             self._spare_armed = True  # busy again: the next idle spell is news
         if spare < wanted or not self._spare_armed or self._clock() >= self._next_probe_ns:
             return False
@@ -284,7 +306,12 @@ class ThreadGovernor:
 
     def _fresh(self, stall: float) -> bool:
         """Whether `stall` is a new condition rather than the one a declined trial measured:
-        the back-off only spares the team trials that would fail again."""
+        the back-off only spares the team trials that would fail again. A whole thread's worth
+        after a decline on less is new too: a trial in the window a neighbour arrived in reads a
+        partial stall, and the neighbour's full one must not wait out that trial's back-off."""
+        core_taken = self.config.keep_unmeasured_stall
+        if stall >= core_taken > self._declined_stall:
+            return True
         return stall >= self._declined_stall + self.config.fresh_stall
 
     def _start_trial(self, size: int, stall: float | None = None, since: int = 0) -> None:
@@ -351,7 +378,9 @@ class ThreadGovernor:
                 self._next_probe_ns = self._clock() + self._interval_ns
             return
         self._resize(trial.was)  # the tried size was no better: back to the one before
-        self._interval_ns = min(2 * self._interval_ns, _ns(self.config.max_probe_interval_s))
+        core_taken = not growing and (trial.stall or 0.0) >= self.config.keep_unmeasured_stall
+        if not core_taken:
+            self._interval_ns = min(2 * self._interval_ns, _ns(self.config.max_probe_interval_s))
         if growing:
             log.info(
                 "intra-op threads stay %d: %d threads: %s; trying again in %.0f s",
@@ -362,8 +391,10 @@ class ThreadGovernor:
             )
             self._next_probe_ns = self._clock() + self._interval_ns
         else:
-            # The stall is there but costs less than a thread (the stack's own processes, say):
-            # keep the team and look again later.
+            # The stall costs less than a thread (the stack's own processes, say), or a core is
+            # taken but the trial's calls misled (a prefill pass, long regions, loses little
+            # beside a neighbour while decode passes lose tens of times): keep the team and look
+            # again later, soon after a whole thread's worth, whose cost if real is the larger.
             log.info(
                 "intra-op threads stay %d: the team waited %.2f threads' worth of time for CPUs, "
                 "%d threads: %s",
@@ -372,8 +403,9 @@ class ThreadGovernor:
                 trial.size,
                 _compared(ratio),
             )
-            self._next_trial_ns = self._clock() + self._interval_ns
-            self._declined_stall = trial.stall or 0.0
+            wait = _ns(self.config.first_probe_s) if core_taken else self._interval_ns
+            self._next_trial_ns = self._clock() + wait
+            self._declined_stall = 0.0 if core_taken else trial.stall or 0.0
 
     def _keep_unmeasured_shrink(self, trial: _Trial) -> None:
         """A whole thread's worth of stall and nothing to compare (the work changed shape when

@@ -23,8 +23,9 @@ MS = 1_000_000
 class Host:
     """A scripted machine: a device call's wall time and the team's wait for CPUs in it (all
     threads together) depend on the team's size, as `cost[threads] = (call_ms, wait_ms)`; the
-    group is throttled `throttled_ms` per call; `spare` CPUs sit idle while calls run, and all
-    `full` CPUs between calls."""
+    group is throttled `throttled_ms` per call; `spare` CPUs sit idle while calls run (by default
+    0.3: neither all in use nor a core free, so idle time neither starts nor skips a probe), and
+    all `full` CPUs between calls."""
 
     def __init__(self, full: int = 2) -> None:
         self.full = full
@@ -32,7 +33,7 @@ class Host:
         self.delay = 0
         self.throttled = 0
         self.idle_ns = 0
-        self.spare = 0.0
+        self.spare = 0.3
         self.threads = full
         self.cost: dict[int, tuple[float, float]] = {n: (10.0 * full / n, 0.0) for n in range(1, 9)}
         self.throttled_ms = 0.0
@@ -128,6 +129,22 @@ def test_a_neighbour_arriving_during_the_back_off_is_tried_at_once() -> None:
     assert gov.threads == 1 and gov.shrinks == 1 and gov.trials == 2
 
 
+def test_a_whole_core_taken_after_a_partial_stall_is_tried_at_once() -> None:
+    """The window a neighbour arrives in reads a partial stall (0.67 threads' worth) and its
+    trial is declined; the next windows read a whole thread's worth: a new condition, tried at
+    once rather than after the declined trial's wait."""
+    host = Host()
+    gov = host.governor(first_probe_s=4.0)
+    host.cost[2], host.cost[1] = (15.0, 10.0), (20.0, 0.0)  # 0.67 threads' worth, not kept
+    host.call(gov, 30)
+    assert gov.trials == 1 and gov.threads == 2 and gov.shrinks == 0
+    began = host.now
+    host.neighbour()  # a whole thread's worth now
+    host.call(gov, 12)
+    assert gov.threads == 1 and gov.shrinks == 1
+    assert (host.now - began) / 1e9 < 1.0
+
+
 def test_a_smaller_team_only_somewhat_faster_is_not_kept() -> None:
     """Two windows of a busy stack differ by tens of percent: a smaller team is kept only when it
     runs the same calls in under half the time (a core lost to a neighbour)."""
@@ -149,6 +166,26 @@ def test_a_whole_core_taken_keeps_a_smaller_team_that_is_faster_at_all() -> None
     assert gov.trials == 1 and gov.threads == 1
     host.call(gov, 4)
     assert gov.threads == 1 and gov.shrinks == 1
+
+
+def test_a_declined_trial_on_a_whole_core_is_tried_again_soon() -> None:
+    """A core is taken but the trial's calls misled (one thread read 1.6x slower): the full
+    team beside a neighbour costs far more than a trial, so the next trial comes after the first
+    wait (2 s), not after a wait doubled by this decline and an earlier one."""
+    host = Host()
+    gov = host.governor(first_probe_s=2.0, max_probe_interval_s=32.0)
+    host.cost[2], host.cost[1] = (14.0, 6.0), (20.0, 0.0)  # the stack's own stall: declined
+    host.call(gov, 25)
+    assert gov.trials == 1 and gov.threads == 2
+    host.cost[2], host.cost[1] = (100.0, 100.0), (160.0, 0.0)  # a neighbour; a misleading trial
+    host.call(gov, 4)
+    assert gov.trials == 2 and gov.threads == 2 and gov.shrinks == 0
+    declined = host.now
+    host.cost[1] = (20.0, 0.0)
+    while gov.shrinks == 0 and host.now - declined < 10e9:
+        host.call(gov)
+    assert gov.shrinks == 1 and gov.trials == 3
+    assert (host.now - declined) / 1e9 < 2.5
 
 
 def test_the_same_calls_are_compared_not_a_different_mix() -> None:
@@ -200,7 +237,7 @@ def test_idle_cpus_while_shrunk_try_the_full_team_at_once(caplog: pytest.LogCapt
     host.neighbour()
     host.call(gov, 12)
     assert gov.threads == 1 and gov.shrinks == 1
-    host.call(gov, 100)  # 2 s with the neighbour: no idle CPU, no probe
+    host.call(gov, 100)  # 2 s with the neighbour, within the wait: no probe
     assert gov.threads == 1 and gov.probes == 0
     host.neighbour(free=2)  # it leaves; its core now idles beside the team
     host.spare = 0.9
@@ -208,6 +245,24 @@ def test_idle_cpus_while_shrunk_try_the_full_team_at_once(caplog: pytest.LogCapt
         host.call(gov, 30)  # 0.6 s, far within the 30 s wait
     assert gov.threads == 2 and gov.probes == 1 and host.sizes == [1, 2]
     assert "sat idle 0.90 CPUs' worth of the last window; trying 2 now" in caplog.text
+
+
+def test_probes_wait_while_the_cpus_have_no_idle_time(caplog: pytest.LogCaptureFixture) -> None:
+    """A neighbour that stays keeps every CPU busy: each due try of the full team is skipped as
+    if it had failed (a try would run a pass tens of times slower) until the wait reaches its
+    cap, where tries resume; the neighbour's departure is seen by the idle time instead."""
+    host = Host()
+    gov = host.governor(first_probe_s=2.0, max_probe_interval_s=16.0)
+    host.neighbour()
+    host.spare = 0.0
+    host.call(gov, 12)
+    assert gov.threads == 1 and gov.shrinks == 1
+    with caplog.at_level(logging.INFO, logger="neuron_worker.thread_governor"):
+        host.call(gov, 1400)  # 28 s: due at 2, 6, 14 s (skipped), 30 s: the cap
+    assert gov.probes == 0 and gov.skipped_probes == 3 and gov.threads == 1
+    assert "the allowed CPUs had no idle time; trying 2 in 16 s" in caplog.text
+    host.call(gov, 200)  # past 30 s: at the cap the try runs (and fails)
+    assert gov.probes == 1 and gov.skipped_probes == 3 and gov.threads == 1
 
 
 def test_gaps_between_calls_are_not_idle_cpus() -> None:
