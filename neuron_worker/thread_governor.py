@@ -129,15 +129,14 @@ class GovernorConfig:
     # noise between two windows of a busy stack reaches +-30%, and a wrong shrink costs half
     # the throughput until the next probe.
     keep_smaller_below: float = 0.5
-    # ... or below this share when the stall was a whole thread's worth (`keep_unmeasured_stall`):
-    # a core taken makes the full team tens of times slower, so a smaller team that is faster
-    # at all is the better bet, and the idle-CPU cue undoes a wrong keep within a window.
+    # A stall of at least this many threads' worth is a core taken (the stack's own bursts read
+    # less): the full team then runs tens of times slower, so its trial of a smaller team keeps
+    # one faster at all (`keep_smaller_below_on_core_taken`) or with nothing to compare, is tried
+    # again after `first_probe_s` when declined, and counts as a new condition after a decline
+    # on less. If the core was free after all, the idle-CPU cue restores the team in a window.
+    core_taken_stall: float = 0.8
     keep_smaller_below_on_core_taken: float = 0.8
     trial_windows: int = 3  # windows a trial may take to run calls it can compare
-    # A smaller team's trial with nothing to compare is kept when the stall that started it was
-    # at least this many threads' worth: a core taken (the stack's own bursts read less). If
-    # the core was free after all, the idle-CPU cue below restores the team within a window.
-    keep_unmeasured_stall: float = 0.8
     # A stall this many threads' worth above the one a declined trial started on is a new
     # condition (a neighbour arrived), tried at once rather than after the back-off wait.
     fresh_stall: float = 0.5
@@ -309,8 +308,7 @@ class ThreadGovernor:
         the back-off only spares the team trials that would fail again. A whole thread's worth
         after a decline on less is new too: a trial in the window a neighbour arrived in reads a
         partial stall, and the neighbour's full one must not wait out that trial's back-off."""
-        core_taken = self.config.keep_unmeasured_stall
-        if stall >= core_taken > self._declined_stall:
+        if stall >= self.config.core_taken_stall > self._declined_stall:
             return True
         return stall >= self._declined_stall + self.config.fresh_stall
 
@@ -335,7 +333,8 @@ class ThreadGovernor:
 
     def _judge(self, trial: _Trial, window: _Window) -> None:
         """Keep the tried size if its calls ran faster than the same calls at the size before;
-        with nothing to compare after `trial_windows` windows, go back to the size before."""
+        with nothing to compare after `trial_windows` windows, keep a probe's full team or a
+        smaller team on a core taken, and otherwise go back to the size before."""
         trial.windows += 1
         trial.window.merge(window)
         ratio = self._relative_cost(trial.window, trial.was, trial.since)
@@ -343,15 +342,16 @@ class ThreadGovernor:
             return  # keep measuring
         self._trial = None
         growing = trial.size > trial.was
+        core_taken = (trial.stall or 0.0) >= self.config.core_taken_stall  # a probe: no stall
         if growing and ratio is None:
             self._keep_unmeasured_probe(trial)
             return
-        if ratio is None and (trial.stall or 0.0) >= self.config.keep_unmeasured_stall:
+        if core_taken and ratio is None:
             self._keep_unmeasured_shrink(trial)
             return
         if growing:
             better = 1.0
-        elif (trial.stall or 0.0) >= self.config.keep_unmeasured_stall:
+        elif core_taken:
             better = self.config.keep_smaller_below_on_core_taken
         else:
             better = self.config.keep_smaller_below
@@ -378,7 +378,6 @@ class ThreadGovernor:
                 self._next_probe_ns = self._clock() + self._interval_ns
             return
         self._resize(trial.was)  # the tried size was no better: back to the one before
-        core_taken = not growing and (trial.stall or 0.0) >= self.config.keep_unmeasured_stall
         if not core_taken:
             self._interval_ns = min(2 * self._interval_ns, _ns(self.config.max_probe_interval_s))
         if growing:
