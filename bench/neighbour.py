@@ -203,7 +203,15 @@ def start_llama_server(binary: Path, max_tokens: int, cgroup: Any) -> Server:
 
 
 # ------------------------------------------------------------------ workload
-def one_request(server: Server, prompt: str, constrained: bool, max_tokens: int) -> dict[str, Any]:
+def one_request(
+    server: Server,
+    prompt: str,
+    constrained: bool,
+    max_tokens: int,
+    arrivals: list[float] | None = None,
+) -> dict[str, Any]:
+    """One streamed chat request's figures; `arrivals`, when given, gets each content chunk's
+    arrival time (`time.monotonic`)."""
     body: dict[str, Any] = {
         "model": server.model,
         "messages": [{"role": "user", "content": prompt}],
@@ -239,6 +247,8 @@ def one_request(server: Server, prompt: str, constrained: bool, max_tokens: int)
             choices = chunk.get("choices") or []
             delta = choices[0].get("delta", {}).get("content") if choices else None
             if delta:
+                if arrivals is not None:
+                    arrivals.append(time.monotonic())
                 first = first or time.perf_counter()
                 pieces += 1
                 text.append(delta)

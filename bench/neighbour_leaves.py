@@ -24,11 +24,18 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from neighbour import PROMPTS, RESULTS, Server, busy_neighbours, cpu_model, free_port
+from neighbour import (
+    PROMPTS,
+    RESULTS,
+    Server,
+    busy_neighbours,
+    cpu_model,
+    free_port,
+    one_request,
+)
 
 BIN_S = 0.5
 GOVERNOR_LINE = re.compile(r"^(\S+ \S+) INFO neuron_worker\.thread_governor: (.*)$")
@@ -49,29 +56,6 @@ def start_stack(root: Path, log_dir: Path) -> Server:
         os.chdir(here)
 
 
-def stream(server: Server, prompt: str, max_tokens: int, arrivals: list[float]) -> None:
-    body = {
-        "model": server.model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    req = urllib.request.Request(
-        f"{server.base}/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if line.startswith("data:") and line != "data: [DONE]":
-                choices = json.loads(line[5:]).get("choices") or []
-                if choices and choices[0].get("delta", {}).get("content"):
-                    arrivals.append(time.monotonic())
-
-
 def one_run(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     log_dir = Path(tempfile.mkdtemp(prefix="maskwire-leaves-"))
     server = start_stack(root, log_dir)
@@ -80,10 +64,10 @@ def one_run(root: Path, args: argparse.Namespace) -> dict[str, Any]:
 
     def client(i: int) -> None:
         while not stop.is_set():
-            stream(server, PROMPTS[i % len(PROMPTS)], args.max_tokens, arrivals)
+            one_request(server, PROMPTS[i % len(PROMPTS)], False, args.max_tokens, arrivals)
 
     try:
-        stream(server, PROMPTS[0], 8, [])  # warm-up
+        one_request(server, PROMPTS[0], False, 8)  # warm-up
         clients = [threading.Thread(target=client, args=(i,)) for i in range(8)]
         began = time.monotonic()
         for c in clients:
