@@ -4,22 +4,26 @@ A speculative step computes 1 + k positions for a row with k drafts, waits for t
 its forward (no overlap) and samples every position; a plain step computes one position per row.
 Where the drafts are seldom accepted, that costs more than it gains: free text on an H200 at c8
 ran at 0.67x with speculation, the verify pass alone costing 1.37x a decode pass
-(docs/benchmarks.md, "CUDA on an H200"). The gate compares, for the step at hand,
+(docs/benchmarks.md, "CUDA on an H200"). The gate compares the tokens the model samples per
+second, for the step at hand,
 
     expected tokens / cost of a speculative step of this shape   (each drafting row:
-        1 + a + a^2 + ... + a^k for its k drafts, a its acceptance so far, + a^k t for the t
-        tokens the grammar is expected to force after them; other rows: 1)
+        1 + a + a^2 + ... + a^k for its k drafts, a its acceptance so far; other rows: 1)
     rows / cost of a plain step of this batch size
 
-and speculates when the first is at least the second. Costs are moving averages of measured step
+and speculates when the first is at least the second. The grammar's forced tokens are no gain of
+either choice: a verification pass carries those that follow a row's drafts, a plain step gets
+the same ones by jump-forward a step later (its measured cost includes those passes). Counting
+them for speculation alone made constrained batches at c8 speculate at 0.92x the tokens/s
+without it. Costs are moving averages of measured step
 wall times, for plain steps by batch size and for speculative steps by the tokens of their pass
-(rows + drafts, rounded up to a power of two: what a pass costs is mostly a function of its
-tokens, flat on a launch-bound device, growing on a compute-bound one; few shapes keep the
-exploration short). A shape not measured yet is tried (a speculative shape first, then the plain
-one), and every `probe` decisions the other choice is taken once, so both estimates follow the
-load. Greedy output does not depend on the gate (verification is exact), and
-neither does sampling: a position's token is drawn with the same counter-based random number
-either way.
+(rows + drafts + the grammar's expected forced drafts, rounded up to a power of two: what a pass
+costs is mostly a function of its tokens, flat on a launch-bound device, growing on a
+compute-bound one; few shapes keep the exploration short). A shape not measured yet is tried (a
+speculative shape first, then the plain one), and every `probe` decisions the other choice is
+taken once, so both estimates follow the load. Greedy output does not depend on the gate
+(verification is exact), and neither does sampling: a position's token is drawn with the same
+counter-based random number either way.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ class SpeculationGate:
     def worth_it(self, rows: int, drafts: Sequence[tuple[int, float, float]]) -> bool:
         """Whether to verify this step's drafts: `rows` in the batch, and for each row with
         drafts their number, the row's acceptance estimate and how many tokens the grammar is
-        expected to force after them (kept whatever the model draws, once all are accepted)."""
+        expected to force after them (they widen the pass; they are no gain, module docstring)."""
         n = sum(k for k, _, _ in drafts)
         if n == 0:
             return False
@@ -64,7 +68,7 @@ class SpeculationGate:
             return True
         if plain is None:
             return False
-        gain = sum(expected_tokens(k, a) - 1 + a**k * t for k, a, t in drafts)
+        gain = sum(expected_tokens(k, a) - 1 for k, a, _ in drafts)
         worth = (rows + gain) * plain >= rows * spec
         self.decisions += 1
         return not worth if self.decisions % self.probe == 0 else worth

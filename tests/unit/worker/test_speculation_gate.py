@@ -65,3 +65,16 @@ def test_a_budgets_acceptance_estimate_follows_its_verifications() -> None:
     for _ in range(8):
         budget.record(1, 0)  # a run of misses: the estimate follows them down
     assert budget.acceptance() < 0.25
+
+
+def test_the_grammars_forced_tail_widens_the_pass_but_is_no_gain() -> None:
+    gate = SpeculationGate(probe=1000)
+    gate.record(8, 0, 0.010)
+    gate.record(8, 24, 0.020)  # passes of 17-32 tokens cost two plain steps
+    # Two rows with 4 drafts at 90% add 6.8 sampled tokens to 8: not worth twice the cost,
+    # whatever the grammar forces after them (a plain step gets those by jump-forward).
+    assert not gate.worth_it(8, [(4, 0.9, 8), (4, 0.9, 8)])
+    gate.record(8, 8, 0.012)  # passes of 9-16 tokens, measured cheap
+    assert gate.worth_it(8, [(4, 0.9, 0), (4, 0.9, 0)])
+    # The tails take the same drafts' pass to 32 tokens: its cost decides.
+    assert not gate.worth_it(8, [(4, 0.9, 8), (4, 0.9, 8)])
