@@ -20,16 +20,20 @@ the peer a CPU user compares with first.
 Writes bench/results/<name>.json and .png. Never part of CI: it needs a quiet machine.
 With `--versus ARGS` it instead compares two `maskwire up` stacks, both up at once and measured in
 alternating order under each condition (e.g. the default against `--worker-arg=
---no-adaptive-threads`: what the thread governor costs a quiet host).
+--no-adaptive-threads`: what the thread governor costs a quiet host); `--versus-body JSON` compares
+on one stack, its requests without and with those body fields (e.g. `{"speculative": false}`:
+speculation against none with the same worker, threads and caches on both sides).
 
 Usage: python bench/neighbour.py [--max-tokens 64] [--conditions quiet,busy1,...] [--name N]
        python bench/neighbour.py --versus "--worker-arg=--no-adaptive-threads" [--rounds 4]
+       python bench/neighbour.py --versus-body '{"speculative": false}' --conditions quiet,busy1
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import multiprocessing
 import os
@@ -166,6 +170,7 @@ class Server:
         )
         os.close(fd)
         self.base = base
+        self.body: dict[str, Any] = {}  # fields added to every request's body
         wait_http(health, 900)
         with urllib.request.urlopen(f"{base}/models", timeout=10) as r:
             self.model = json.loads(r.read())["data"][0]["id"]
@@ -222,6 +227,7 @@ def one_request(
         # (jump-forward, accepted drafts), so counting chunks would undercount them.
         "stream_options": {"include_usage": True},
     }
+    body.update(server.body)
     if constrained:
         body["response_format"] = {
             "type": "json_schema",
@@ -342,14 +348,22 @@ def run_engine(
     return results
 
 
-def interleaved(up_args: list[str], versus: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """Two `maskwire up` stacks at once (`up_args` and `versus`), the workload on each in
-    alternating order for `args.rounds` rounds under each condition (quiet, busy1, busy2; the
-    neighbours run while both stacks are measured): a difference between them is not drift."""
+def interleaved(
+    up_args: list[str], versus: list[str], versus_body: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Two variants, the workload on each in alternating order for `args.rounds` rounds under
+    each condition (quiet, busy1, busy2; the neighbours run while both are measured): a
+    difference between them is not drift. The variants: two `maskwire up` stacks at once
+    (`up_args` and `versus`), or one stack whose requests go without and with the fields
+    `versus_body` (which then also rules out a difference between two processes)."""
     conditions = [c for c in args.conditions if c != "quota"]
     servers = {"maskwire": start_maskwire(up_args, None)}
     try:
-        servers["versus"] = start_maskwire(versus, None)
+        if versus_body:
+            servers["versus"] = copy.copy(servers["maskwire"])
+            servers["versus"].body = versus_body
+        else:
+            servers["versus"] = start_maskwire(versus, None)
         for server in servers.values():
             one_request(server, PROMPTS[0], True, 8)
             one_request(server, PROMPTS[0], False, 8)
@@ -365,7 +379,7 @@ def interleaved(up_args: list[str], versus: list[str], args: argparse.Namespace)
                         rounds[cond][name].append(h)
                         print(name, cond, f"round {r}", _fmt(h), flush=True)
     finally:
-        for server in servers.values():
+        for server in {s.proc.pid: s for s in servers.values()}.values():
             server.stop()
     return {cond: _compare(by_name) for cond, by_name in rounds.items()}
 
@@ -450,7 +464,13 @@ def main() -> int:
         "`--up-args` and these `maskwire up` arguments (e.g. --worker-arg=--no-adaptive-threads), "
         "under each of --conditions but the quota (give e.g. --conditions quiet,busy1)",
     )
-    parser.add_argument("--rounds", type=int, default=4, help="rounds per stack with --versus")
+    parser.add_argument(
+        "--versus-body",
+        metavar="JSON",
+        help="like --versus, on one stack: its requests alternate without and with these body "
+        "fields (e.g. '{\"speculative\": false}')",
+    )
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per variant with --versus")
     parser.add_argument("--name", default="neighbour")
     args = parser.parse_args()
     args.conditions = [c for c in args.conditions.split(",") if c]
@@ -470,9 +490,10 @@ def main() -> int:
         "engines": {},
     }
     up_args = args.up_args.split()
-    if args.versus is not None:
-        data.update(versus=args.versus, rounds=args.rounds)
-        data["interleaved"] = interleaved(up_args, args.versus.split(), args)
+    if args.versus is not None or args.versus_body is not None:
+        versus_body = json.loads(args.versus_body or "{}")
+        data.update(versus=args.versus, versus_body=versus_body, rounds=args.rounds)
+        data["interleaved"] = interleaved(up_args, (args.versus or "").split(), versus_body, args)
         data["loadavg_end"] = os.getloadavg()
         RESULTS.mkdir(parents=True, exist_ok=True)
         out = RESULTS / f"{args.name}.json"
