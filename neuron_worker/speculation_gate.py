@@ -15,7 +15,7 @@ and speculates when the first is at least the second. The grammar's forced token
 either choice: a verification pass carries those that follow a row's drafts, a plain step gets
 the same ones by jump-forward a step later (its measured cost includes those passes). Counting
 them for speculation alone made constrained batches at c8 speculate at 0.92x the tokens/s
-without it. Costs are moving averages of measured step
+without it. Costs are medians of recent measured step
 wall times, for plain steps by batch size and for speculative steps by the tokens of their pass
 (rows + drafts + the grammar's expected forced drafts, rounded up to a power of two: what a pass
 costs is mostly a function of its tokens, flat on a launch-bound device, growing on a
@@ -28,13 +28,12 @@ counter-based random number either way.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from neuron_worker.scheduler import next_pow2
-
-K = TypeVar("K")
 
 
 def expected_tokens(k: int, acceptance: float) -> float:
@@ -43,16 +42,44 @@ def expected_tokens(k: int, acceptance: float) -> float:
     return sum(acceptance**i for i in range(k + 1))
 
 
+class StepCosts:
+    """Measured step wall times by shape: each shape's cost is the median of its last `window`
+    measurements, so one step that a neighbour or a page fault slowed does not steer the gate
+    (a declined choice is measured again only every `probe` decisions, so a moving average would
+    carry such a spike for hundreds of steps)."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._seconds: dict[int, deque[float]] = {}
+
+    def add(self, key: int, seconds: float) -> None:
+        self._seconds.setdefault(key, deque(maxlen=self.window)).append(seconds)
+
+    def get(self, key: int) -> float | None:
+        """The shape's cost, None before its first measurement."""
+        measured = self._seconds.get(key)
+        return statistics.median(measured) if measured else None
+
+    def shapes(self) -> dict[int, float]:
+        """Every measured shape's cost."""
+        return {k: statistics.median(v) for k, v in self._seconds.items()}
+
+
 @dataclass
 class SpeculationGate:
-    """Step-cost model and decision (module docstring). `weight`: the newest measurement's share
-    of a moving average. `probe`: every how many decisions the other choice is taken."""
+    """Step-cost model and decision (module docstring). `window`: the measurements per shape
+    whose median is its cost (`StepCosts`). `probe`: every how many decisions the other choice
+    is taken."""
 
-    weight: float = 0.2
+    window: int = 5
     probe: int = 128
-    plain: dict[int, float] = field(default_factory=dict)
-    speculative: dict[int, float] = field(default_factory=dict)
     decisions: int = 0
+    plain: StepCosts = field(init=False)
+    speculative: StepCosts = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.plain = StepCosts(self.window)
+        self.speculative = StepCosts(self.window)
 
     def worth_it(self, rows: int, drafts: Sequence[tuple[int, float, float]]) -> bool:
         """Whether to verify this step's drafts: `rows` in the batch, and for each row with
@@ -76,11 +103,6 @@ class SpeculationGate:
     def record(self, rows: int, drafts: int, seconds: float) -> None:
         """A step of `rows` rows verifying `drafts` drafts (0: a plain step) took `seconds`."""
         if drafts > 0:
-            _average(self.speculative, next_pow2(rows + drafts), seconds, self.weight)
+            self.speculative.add(next_pow2(rows + drafts), seconds)
         else:
-            _average(self.plain, rows, seconds, self.weight)
-
-
-def _average(costs: dict[K, float], key: K, seconds: float, weight: float) -> None:
-    old = costs.get(key)
-    costs[key] = seconds if old is None else old + weight * (seconds - old)
+            self.plain.add(rows, seconds)

@@ -46,14 +46,30 @@ def test_every_probe_th_decision_takes_the_other_choice() -> None:
     assert decisions == [False, False, False, True] * 2
 
 
-def test_costs_are_moving_averages_of_the_measured_steps() -> None:
-    gate = SpeculationGate(weight=0.5)
+def test_costs_are_medians_of_the_recent_measurements_by_shape() -> None:
+    gate = SpeculationGate(window=3)
     gate.record(2, 0, 0.010)
     gate.record(2, 0, 0.020)
     gate.record(2, 3, 0.040)
     gate.record(2, 4, 0.020)
-    assert gate.plain == {2: pytest.approx(0.015)}
-    assert gate.speculative == {8: pytest.approx(0.030)}  # passes of 5 and 6 tokens
+    assert gate.plain.shapes() == {2: pytest.approx(0.015)}
+    assert gate.speculative.shapes() == {8: pytest.approx(0.030)}  # passes of 5 and 6 tokens
+    for seconds in (0.012, 0.013, 0.011):
+        gate.record(2, 0, seconds)  # the window keeps the last three
+    assert gate.plain.get(2) == pytest.approx(0.012)
+
+
+def test_one_slow_step_does_not_turn_the_gate() -> None:
+    gate = SpeculationGate(probe=1000)
+    gate.record(1, 0, 0.006)
+    for _ in range(3):
+        gate.record(1, 4, 0.008)  # verification passes at 1.33x a plain step
+    assert gate.worth_it(1, [(4, 0.6, 0)])  # 2.3 tokens for 1.33x the cost
+    gate.record(1, 4, 0.080)  # one pass that a neighbour stalled
+    assert gate.worth_it(1, [(4, 0.6, 0)])
+    gate.record(1, 4, 0.080)
+    gate.record(1, 4, 0.080)  # a lasting change moves the median
+    assert not gate.worth_it(1, [(4, 0.6, 0)])
 
 
 def test_a_budgets_acceptance_estimate_follows_its_verifications() -> None:
