@@ -189,6 +189,14 @@ def _batch_flags(p: argparse.ArgumentParser) -> None:
         help="gap between arrivals that ends the admission wait "
         f"(default {ENGINE.admit_quiet_s * 1e3:g})",
     )
+    g.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=ENGINE.stream_interval_s * 1e3,
+        help="send a request's new tokens at most this often (its first at once, its last with "
+        "the final message): fewer messages leave the worker, gateway and client more CPU for "
+        f"the model (default {ENGINE.stream_interval_s * 1e3:g}; 0: after every step)",
+    )
 
 
 def _pass_flags(p: argparse.ArgumentParser) -> None:

@@ -193,6 +193,7 @@ def _engine_config(args: argparse.Namespace, *, overlap: bool, speculative: str)
     _at_least("--max-prefill-tokens", args.max_prefill_tokens, 0)
     _at_least("--admit-window-ms", args.admit_window_ms, 0, " (0: admit at once)")
     _at_least("--admit-quiet-ms", args.admit_quiet_ms, 0)
+    _at_least("--stream-interval-ms", args.stream_interval_ms, 0, " (0: after every step)")
     if not -1 <= args.flat_pass_tokens <= MAX_FLAT_TOKENS:
         raise ConfigError(
             f"--flat-pass-tokens must be -1 (auto) or 0..{MAX_FLAT_TOKENS}, "
@@ -219,6 +220,7 @@ def _engine_config(args: argparse.Namespace, *, overlap: bool, speculative: str)
         max_prefill_tokens=args.max_prefill_tokens,
         admit_window_s=args.admit_window_ms / 1e3,
         admit_quiet_s=args.admit_quiet_ms / 1e3,
+        stream_interval_s=args.stream_interval_ms / 1e3,
         flat_tokens=None if args.flat_pass_tokens < 0 else args.flat_pass_tokens,
         # () is 1, 2, 4, ..., max_seq_len; a decode step is one token per row: 1 is always one.
         token_buckets=tuple(

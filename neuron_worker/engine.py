@@ -329,7 +329,7 @@ class Engine:
         batch = [r for r in self.scheduler.running if r.pending is not None]
         if batch:
             await self._decode(batch)
-        self._flush_outputs()
+        self._flush_outputs(hold=bool(batch))
         self.compiles.check()
         self.metrics.queue(self.scheduler.queue_depth, len(self.scheduler.running))
         return bool(batch)
@@ -361,10 +361,19 @@ class Engine:
             if req.abort_reason is not None:
                 self._finish(req, FR.ABORT, error=req.abort_reason)
 
-    def _flush_outputs(self) -> None:
+    def _flush_outputs(self, *, hold: bool = False) -> None:
+        """Each running request's new tokens to its stream. With `hold`, a request that sent
+        some less than `stream_interval_s` ago keeps them for a later step: every message costs
+        this loop, the gateway and the client CPU time at the moment the next pass starts (an
+        8-row step's messages delayed its forward by ~1 ms on 2 cores)."""
+        now = time.monotonic()
+        interval = self.config.stream_interval_s
         for req in self.scheduler.running:
+            if hold and req.sent_at and now - req.sent_at < interval:
+                continue
             delta = req.delta()
             if delta is not None:
+                req.sent_at = now
                 req.outputs.put_nowait(delta)
 
     # ------------------------------------------------------------------ prefill

@@ -24,6 +24,9 @@ class EngineConfig:
     # and the gap between arrivals that ends the wait early; 0 = admit at once.
     admit_window_s: float = 0.020
     admit_quiet_s: float = 0.004
+    # A running request's new tokens go to its stream at most this often (its first at once,
+    # its last with the final message); 0 = after every step.
+    stream_interval_s: float = 0.020
     # Multi-token passes of at most this many tokens run one token per row (`neuron_worker.graphs`,
     # dynamic shapes); None = the runner's default, 0 = never.
     flat_tokens: int | None = None

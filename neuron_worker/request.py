@@ -108,6 +108,7 @@ class Request:
     abort_reason: str | None = None  # set by Abort / cancellation; acted on between steps
     first_token_at: float | None = None
     outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
+    sent_at: float = 0.0  # time.monotonic() of the last message with tokens; 0: none yet
     # Token ids and text not yet sent to the client.
     _unsent_ids: list[int] = field(default_factory=list)
     _unsent_text: list[str] = field(default_factory=list)

@@ -181,11 +181,13 @@ def make_engine(
     speculative: DraftConfig | None = None,
     admit_window_s: float = 0.0,
     admit_quiet_s: float = 0.004,
+    stream_interval_s: float = 0.0,
 ) -> tuple[Engine, FakeModel]:
     model = FakeModel()
     config = EngineConfig(
         admit_window_s=admit_window_s,
         admit_quiet_s=admit_quiet_s,
+        stream_interval_s=stream_interval_s,
         max_batch=4,
         max_seq_len=256,
         max_queue=8,
@@ -377,6 +379,29 @@ async def test_the_forced_prefix_streams_before_the_prefill_pass_ends() -> None:
         await engine.stop()
     assert [*first.token_ids, *ids] == reference(r.prompt, 12, True, 9)
     assert final.finish_reason == worker_pb2.FINISH_REASON_STOP
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 60.0], ids=["every-step", "held"])
+async def test_tokens_stream_at_most_once_per_interval(interval_s: float) -> None:
+    engine, _ = make_engine(overlap=True, stream_interval_s=interval_s)
+    await engine.start()
+    try:
+        r = request(0, constrained=False, max_tokens=12)
+        await engine.submit(r)
+        sizes: list[int] = []
+        ids: list[int] = []
+        while True:
+            msg = wire(await asyncio.wait_for(r.outputs.get(), 10))
+            assert not isinstance(msg, RpcError), msg
+            sizes.append(len(msg.token_ids))
+            ids += msg.token_ids
+            if msg.finish_reason:
+                break
+    finally:
+        await engine.stop()
+    assert ids == reference(r.prompt, 12, False, 9)
+    # The first token at once either way; held, the rest comes with the final message.
+    assert sizes == ([1] * 12 if interval_s == 0 else [1, 11])
 
 
 async def test_without_jump_forward_grammar_gets_no_ff_option() -> None:
