@@ -10,6 +10,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
 from neuron_worker import device_thread
+from neuron_worker.graphs import Pass
 from neuron_worker.metrics import Metrics
 from neuron_worker.request import Request
 from neuron_worker.step_device import Logits, Sampled, StepDeviceLike
@@ -35,11 +36,15 @@ class DeviceStage:
         self.metrics = metrics
         self.words = words
 
-    async def forward(self, batch: ForwardBatch) -> Logits:
-        """One forward pass; logits for each row's `wanted` positions, row after row."""
+    def _pack(self, batch: ForwardBatch) -> Pass:
         p = batch.pack(self.device.runner, self.device.pad_slot)
         for row in batch.rows:
             row.req.forward_passes += 1
+        return p
+
+    async def forward(self, batch: ForwardBatch) -> Logits:
+        """One forward pass; logits for each row's `wanted` positions, row after row."""
+        p = self._pack(batch)
         began = time.perf_counter()
         logits = await on_device(
             lambda: self.device.forward(p), ("forward", p.tokens.shape, p.prefill)
@@ -60,6 +65,29 @@ class DeviceStage:
         began = time.perf_counter()
         result = await on_device(run, ("sample", logits.rows))
         self.metrics.sample(time.perf_counter() - began)
+        return result
+
+    async def forward_and_sample(
+        self, batch: ForwardBatch, draws: Sequence[Draw | None], answers: Answers
+    ) -> Sampled:
+        """`forward`, then `sample` of its logits, in one call on the device thread: where a step
+        needs the logits for nothing else, the device samples at once instead of waiting for the
+        event loop to hand it the next call (~0.5 ms per step on 2 busy cores)."""
+        p = self._pack(batch)
+        sampling = sample_batch(draws, answers, rows=len(p.last), words=self.words)
+        seconds: list[float] = []
+
+        def run() -> Sampled:
+            began = time.perf_counter()
+            logits = self.device.forward(p)
+            sampled_at = time.perf_counter()
+            out = self.device.sample(logits, sampling)
+            seconds.extend((sampled_at - began, time.perf_counter() - sampled_at))
+            return out
+
+        result = await on_device(run, ("forward and sample", p.tokens.shape, p.prefill))
+        self.metrics.forward(batch.kind, seconds[0])
+        self.metrics.sample(seconds[1])
         return result
 
     async def jump_forward(

@@ -11,10 +11,12 @@ sampled last, `pending`). A decode step is a few named stages, each with typed h
     sample    `Draw`s -> `SampleBatch` -> `Sampled` (device thread, compiled masked sampler)
     commit    `Ledger.accept_draws` / `Speculator.commit`: append, stop checks; deltas streamed
 
-A plain step runs them on one of two schedules: overlapped (the forward of the pending tokens
-runs while the grammar computes the masks; forced tokens then take one jump-forward pass) or
-serial (without `overlap`, answers first, then one pass over pending + forced tokens). A
-speculative step (`neuron_worker.speculator`) is serial, its forward a verification pass.
+A plain step runs them on one of three schedules: plain (no row constrained: no grammar stage),
+overlapped (the forward of the pending tokens runs while the grammar computes the masks; forced
+tokens then take one jump-forward pass) or serial (without `overlap`, answers first, then one
+pass over pending + forced tokens). A speculative step (`neuron_worker.speculator`) is serial,
+its forward a verification pass. Where the logits are needed for nothing but their sampling
+(plain, serial, speculative), forward and sample are one call on the device thread.
 
 New requests join between steps: their grammar answers its first Step before the prefill, so the
 prompt and the grammar's initial forced tokens go through the model in one prefill pass. Requests
@@ -428,8 +430,8 @@ class Engine:
     async def _decode(self, batch: list[Request]) -> None:
         """One decode step: plan drafts; a speculative step when some row has drafts worth
         verifying or may get forced ones (`Speculator.applies`), else a plain step on one of
-        its two schedules: serial when a row is constrained and overlap is off, else
-        overlapped."""
+        its three schedules: plain when no row is constrained, serial when overlap is off,
+        else overlapped."""
         spec = self.speculator
         drafts = spec.plan(batch) if spec is not None else {}
         started = time.perf_counter()
@@ -438,7 +440,9 @@ class Engine:
             verified = await self._speculate(batch, drafts)
         else:
             call = send_step(self.grammar, batch, self.metrics)
-            if call is not None and not self.config.overlap:
+            if call is None:
+                await self._decode_plain(batch)
+            elif not self.config.overlap:
                 await self._decode_serial(batch, call)
             else:
                 await self._decode_overlapped(batch, call)
@@ -447,13 +451,23 @@ class Engine:
         if spec is not None:
             spec.record(len(batch), drafts, verified, elapsed)
 
-    async def _decode_overlapped(self, batch: list[Request], call: GrammarCall | None) -> None:
+    async def _decode_plain(self, batch: list[Request]) -> None:
+        """No row is constrained: forward the pending tokens and sample, in one device call."""
+        rows = [Row(r, [_pending(r)], r.cached) for r in batch]
+        draws: list[Draw | None] = [Draw(r) for r in batch]
+        sampled = await self.stage.forward_and_sample(ForwardBatch(rows, "decode"), draws, {})
+        for r in batch:
+            r.cached += 1
+            r.pending = None
+        self.ledger.accept_draws(draws, sampled)
+
+    async def _decode_overlapped(self, batch: list[Request], call: GrammarCall) -> None:
         """Forward the pending tokens while the grammar's answers (if any) are computed; then
         forced tokens go through the model in one jump-forward pass whose last position's
         logits replace their row's; then sample."""
         rows = [Row(r, [_pending(r)], r.cached) for r in batch]
         logits = await self.stage.forward(ForwardBatch(rows, "decode"))
-        answers = await call.answers() if call is not None else {}
+        answers = await call.answers()
         ff_rows: list[Row] = []
         for r in batch:
             r.cached += 1
@@ -483,10 +497,11 @@ class Engine:
                 rows.append(Row(r, [pending, *ff], r.cached))
         if not rows:
             return
-        logits = await self.stage.forward(ForwardBatch(rows, "decode"))
+        draws: list[Draw | None] = [Draw(row.req) for row in rows]
+        sampled = await self.stage.forward_and_sample(ForwardBatch(rows, "decode"), draws, answers)
         for row in rows:
             row.req.cached += len(row.tokens)
-        await self._sample([Draw(row.req) for row in rows], logits, answers)
+        self.ledger.accept_draws(draws, sampled)
 
     async def _speculate(self, batch: list[Request], drafts: Drafts) -> int:
         """A step with drafts (`neuron_worker.speculator`): the grammar checks them first (their
@@ -503,9 +518,10 @@ class Engine:
         rows = spec.rows(batch, drafts, answers)
         if not rows:
             return 0
-        logits = await self.stage.forward(ForwardBatch(rows, "verify"))
         draws = [p for row in rows for p in row.positions()]
-        spec.commit(rows, await self.stage.sample(draws, logits, answers))
+        spec.commit(
+            rows, await self.stage.forward_and_sample(ForwardBatch(rows, "verify"), draws, answers)
+        )
         return sum(row.outputs - 1 for row in rows)
 
     async def _sample(self, draws: list[Draw | None], logits: Logits, answers: Answers) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
@@ -32,7 +32,8 @@ from neuron_worker.grammar_client import GrammarRequest, RowOutcome
 from neuron_worker.request import Request, Sampling
 from neuron_worker.sampler import Sampler
 from neuron_worker.servicer import response, status
-from neuron_worker.step_device import StepDevice
+from neuron_worker.step_device import Logits, Sampled, StepDevice
+from neuron_worker.step_rows import Answers, Draw, ForwardBatch
 
 T = TypeVar("T")
 
@@ -257,6 +258,26 @@ async def collect(req: Request) -> tuple[list[int], str, worker_pb2.GenerateResp
         text += msg.text
         if msg.finish_reason:
             return ids, text, msg
+
+
+def before_each_pass(engine: Engine, hook: Callable[[ForwardBatch], Awaitable[None]]) -> None:
+    """Await `hook(batch)` before each forward pass the engine's device stage runs, sampled in
+    the same device call or not."""
+    stage = engine.stage
+    forward, forward_and_sample = stage.forward, stage.forward_and_sample
+
+    async def spied_forward(batch: ForwardBatch) -> Logits:
+        await hook(batch)
+        return await forward(batch)
+
+    async def spied_forward_and_sample(
+        batch: ForwardBatch, draws: Sequence[Draw | None], answers: Answers
+    ) -> Sampled:
+        await hook(batch)
+        return await forward_and_sample(batch, draws, answers)
+
+    stage.forward = spied_forward  # type: ignore[method-assign]
+    stage.forward_and_sample = spied_forward_and_sample  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("bucketed", [True, False], ids=["buckets", "dynamic"])

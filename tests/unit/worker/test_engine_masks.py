@@ -26,9 +26,8 @@ from neuron_worker.detokenize import Detokenizer
 from neuron_worker.engine import Engine
 from neuron_worker.grammar_client import GrammarRequest, RowOutcome
 from neuron_worker.request import Request, Sampling
-from neuron_worker.step_device import Logits
 from neuron_worker.step_rows import Draw, ForwardBatch
-from tests.unit.worker.test_engine import TOK, V, collect, make_engine
+from tests.unit.worker.test_engine import TOK, V, before_each_pass, collect, make_engine
 from tests.unit.worker.test_speculative import CYCLE, periodic, token_drafts
 
 RUN = 3  # single-token positions between two free ones
@@ -246,17 +245,15 @@ async def test_draft_positions_get_their_own_mask_rows(overlap: bool) -> None:
     forced jump each at their position; the output is the reference's, as without drafts."""
     engine, grammar = positional_engine(overlap=overlap, speculative=True)
     verified: list[tuple[int, int, tuple[int, int]]] = []  # (drafts, own drafts, jump)
-    forward = engine.stage.forward
 
-    async def spy(batch: ForwardBatch) -> Logits:
+    async def spy(batch: ForwardBatch) -> None:
         rows, kind = batch.rows, batch.kind
         if kind == "verify":
             verified.extend(
                 (r.outputs - 1, r.own_drafts, r.jump) for r in rows if r.req.constrained
             )
-        return await forward(batch)
 
-    engine.stage.forward = spy  # type: ignore[method-assign]
+    before_each_pass(engine, spy)
     reqs = workload()
     got = await run(engine, reqs)
     assert not grammar.refused
