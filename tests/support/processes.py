@@ -174,13 +174,15 @@ def grammar_and_worker(
 
 @contextlib.contextmanager
 def full_stack(
-    model: str, gateway_args: list[str] | tuple[str, ...] = ()
+    model: str,
+    gateway_args: list[str] | tuple[str, ...] = (),
+    worker_args: list[str] | tuple[str, ...] = (),
 ) -> Iterator[ServiceProcess]:
     """Grammar service + worker + gateway on one model SPEC (its tokenizer for the grammar
     service); yields the gateway."""
     with (
         running("grammar-service", ["--tokenizer", model]) as gs,
-        running("worker", ["--model", model, "--grammar-service", gs.address]) as w,
+        running("worker", ["--model", model, "--grammar-service", gs.address, *worker_args]) as w,
         running("gateway", ["--worker", w.address, *gateway_args], http=True) as g,
     ):
         yield g

@@ -53,7 +53,7 @@ def start_constrained(stub: worker_pb2_grpc.WorkerStub, n: int) -> Constrained:
     return out
 
 
-async def first_tokens(tasks: Constrained, seconds: float = 0.5) -> None:
+async def first_tokens(tasks: Constrained, seconds: float = 0.1) -> None:
     """Wait until every request has streamed tokens (its grammar has answered steps: a fault
     then lands mid-generation, however loaded the host), then `seconds` more; check that none
     has finished yet."""

@@ -49,8 +49,10 @@ LLAMA_SPECIALS = [
 ]
 
 
-def _client(path: Path, **checkpoint: Any) -> Iterator[openai.OpenAI]:
-    with full_stack(str(scripted_checkpoint(path, **checkpoint))) as g:
+def _client(
+    path: Path, worker_args: tuple[str, ...] = (), **checkpoint: Any
+) -> Iterator[openai.OpenAI]:
+    with full_stack(str(scripted_checkpoint(path, **checkpoint)), worker_args=worker_args) as g:
         yield openai_client(g)
 
 
@@ -70,6 +72,9 @@ def thinking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI
 def llama3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     yield from _client(
         tmp_path_factory.mktemp("llama") / "llama3",
+        # A message per step: the streamed call's arguments arrive as the scripted model makes
+        # them (held 20 ms, the fast script's whole call would come in one message).
+        worker_args=("--stream-interval-ms", "0"),
         chat_template=(TEMPLATES / "llama3_json.jinja").read_text(),
         tokenizer_json=smollm_with_specials(LLAMA_SPECIALS),
         eos_token="<|eot_id|>",

@@ -402,12 +402,17 @@ async def test_the_forced_prefix_streams_before_the_prefill_pass_ends() -> None:
     assert final.finish_reason == worker_pb2.FINISH_REASON_STOP
 
 
-@pytest.mark.parametrize("interval_s", [0.0, 60.0], ids=["every-step", "held"])
-async def test_tokens_stream_at_most_once_per_interval(interval_s: float) -> None:
+@pytest.mark.parametrize(
+    ("interval_s", "reasons"),
+    [(0.0, False), (60.0, False), (60.0, True)],
+    ids=["every-step", "held", "reasoning-never-held"],
+)
+async def test_tokens_stream_at_most_once_per_interval(interval_s: float, reasons: bool) -> None:
     engine, _ = make_engine(overlap=True, stream_interval_s=interval_s)
     await engine.start()
     try:
         r = request(0, constrained=False, max_tokens=12)
+        r.reasoning_end_marker = "</think>" if reasons else ""
         await engine.submit(r)
         sizes: list[int] = []
         ids: list[int] = []
@@ -421,8 +426,9 @@ async def test_tokens_stream_at_most_once_per_interval(interval_s: float) -> Non
     finally:
         await engine.stop()
     assert ids == reference(r.prompt, 12, False, 9)
-    # The first token at once either way; held, the rest comes with the final message.
-    assert sizes == ([1] * 12 if interval_s == 0 else [1, 11])
+    # The first token at once either way; held, the rest comes with the final message (the
+    # gateway counts a reasoning request's reasoning tokens by message: never held).
+    assert sizes == ([1] * 12 if interval_s == 0 or reasons else [1, 11])
 
 
 async def test_without_jump_forward_grammar_gets_no_ff_option() -> None:
