@@ -60,10 +60,6 @@ class StepCosts:
         measured = self._seconds.get(key)
         return statistics.median(measured) if measured else None
 
-    def shapes(self) -> dict[int, float]:
-        """Every measured shape's cost."""
-        return {k: statistics.median(v) for k, v in self._seconds.items()}
-
 
 @dataclass
 class SpeculationGate:

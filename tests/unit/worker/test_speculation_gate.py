@@ -52,8 +52,9 @@ def test_costs_are_medians_of_the_recent_measurements_by_shape() -> None:
     gate.record(2, 0, 0.020)
     gate.record(2, 3, 0.040)
     gate.record(2, 4, 0.020)
-    assert gate.plain.shapes() == {2: pytest.approx(0.015)}
-    assert gate.speculative.shapes() == {8: pytest.approx(0.030)}  # passes of 5 and 6 tokens
+    assert gate.plain.get(2) == pytest.approx(0.015)
+    assert gate.speculative.get(8) == pytest.approx(0.030)  # passes of 5 and 6 tokens
+    assert gate.plain.get(1) is None and gate.speculative.get(4) is None
     for seconds in (0.012, 0.013, 0.011):
         gate.record(2, 0, seconds)  # the window keeps the last three
     assert gate.plain.get(2) == pytest.approx(0.012)
