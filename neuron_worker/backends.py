@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-import torch._inductor.config
 
 from neuron_worker.compile_fallback import compile_or_eager
 
@@ -41,6 +40,8 @@ def serving_guards(entries: Any) -> list[bool]:
     (`torch._inductor.config.cpp.dynamic_threads`, set with the thread governor): that guard
     holds the thread count, which the governor changes, beside grad mode, autocast and the
     default dtype, which the worker never changes. Input tensors (shapes, dtypes) stay guarded."""
+    import torch._inductor.config  # with the compiler (see `compile_cache._inductor_config`)
+
     keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
     if not torch._inductor.config.cpp.dynamic_threads:
         return list(keep)

@@ -22,10 +22,7 @@ import os
 import shutil
 import struct
 from pathlib import Path
-
-import torch
-import torch._functorch.config
-import torch._inductor.config
+from typing import Any
 
 from neuron_worker.engine_config import EngineConfig
 
@@ -75,10 +72,11 @@ def use_for_worker(
     run, not when compiled, so the thread governor's size holds for them too, and graphs (keyed
     by it, `saved_graphs.graph_key`) are not shared with workers that compile without it."""
     global _root
-    if dynamic_threads:
-        torch._inductor.config.cpp.dynamic_threads = True
     _root = root
-    if root is None or not compiled:
+    if not compiled:
+        return None
+    _inductor_config().cpp.dynamic_threads = dynamic_threads
+    if root is None:
         return None
     return use_directory(worker_directory(root, engine))
 
@@ -105,9 +103,19 @@ def use_directory(path: Path) -> Path | None:
         log.warning("compile cache %s is not usable (%s): compiling without it", path, e)
         return None
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
-    torch._inductor.config.fx_graph_cache = True
+    _inductor_config().fx_graph_cache = True
+    import torch._functorch.config
+
     torch._functorch.config.enable_autograd_cache = True
     return path
+
+
+def _inductor_config() -> Any:
+    # Imported when a compiled worker needs it: importing inductor (and dynamo with it) takes
+    # about a second, which an eager worker does without.
+    import torch._inductor.config
+
+    return torch._inductor.config
 
 
 _in_use: dict[Path, int] = {}  # cache directory -> the open lock file that marks it in use

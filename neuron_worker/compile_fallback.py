@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-import torch._dynamo.exc
 
 from neuron_worker.metrics import COMPILE_RETRIES, EAGER_FALLBACKS
 
@@ -71,6 +70,8 @@ class CompiledOrEager:
         while self.compiled is not None:
             try:
                 return self.compiled(*args, **kwargs)
+            # `torch.compile` imported dynamo; this module does not, as importing it takes
+            # about a second, which an eager worker does without.
             except torch._dynamo.exc.BackendCompilerFailed as e:
                 # The backend failed (a tracing error in our code would be `Unsupported` and is
                 # raised: the tests trace every graph). Nothing of this call ran on the device.

@@ -39,6 +39,7 @@ to rows x `verify_width` for such passes, one more graph per forward bucket).
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -485,9 +486,11 @@ class CompileCounter:
 
     @staticmethod
     def graphs() -> int:
-        from torch._dynamo.utils import counters
-
-        return int(counters["stats"]["unique_graphs"])
+        # Dynamo is imported by the first compile (an eager worker never imports it: ~1 s).
+        dynamo_utils = sys.modules.get("torch._dynamo.utils")
+        if dynamo_utils is None:
+            return 0
+        return int(dynamo_utils.counters["stats"]["unique_graphs"])
 
     def ready(self) -> None:
         self._ready_at = self.graphs()

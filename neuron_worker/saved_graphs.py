@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch._inductor.config
 from torch import nn
 
 from neuron_worker.backends import LEAN_WRAPPER, serving_guards
@@ -172,6 +171,8 @@ def _why(graph: Any, *args: Any) -> str:
 
 def graph_key(model: nn.Module, ranges: str) -> str:
     """A digest of what a saved forward graph depends on besides its guarded inputs."""
+    import torch._inductor.config  # with the compiler (see `compile_cache._inductor_config`)
+
     h = hashlib.sha256()
     for part in (
         torch.__version__,

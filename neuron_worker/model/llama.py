@@ -246,7 +246,10 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        # Uninitialized: the weights come from `load_weights` (the loader builds the model on the
+        # meta device), and initializing an embedding there imports dynamo (about a second).
+        embeddings = torch.empty(config.vocab_size, config.dim)
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=embeddings)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output: nn.Module = nn.Linear(config.dim, config.vocab_size, bias=False)

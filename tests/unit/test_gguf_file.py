@@ -5,7 +5,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from maskwire.gguf_file import GGUFFile
+from maskwire.gguf_file import F16, GGUFFile, GGUFTensor
 from maskwire.tokenizer import embedded_model_path
 
 
@@ -22,3 +22,11 @@ def test_matches_gguf_reader() -> None:
         got = fast.tensors[t.name].dequantize()
         assert got.dtype == np.float32
         assert np.array_equal(got, expected), t.name
+
+
+def test_f16_tensors_dequantize_to_their_values() -> None:
+    values = (np.arange(-6, 6, dtype=np.float16) / 4).reshape(3, 4)
+    tensor = GGUFTensor("x", (3, 4), F16, values.view(np.uint8).reshape(3, 8))
+    got = tensor.dequantize()
+    assert got.dtype == np.float32
+    assert np.array_equal(got, values.astype(np.float32))
