@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -136,6 +136,16 @@ class ServiceProcess:
 
 
 @contextlib.contextmanager
+def spawned(command: str, args: list[str], *, http: bool = False) -> Iterator[ServiceProcess]:
+    """Start a service on a free port without waiting for it; stop it (SIGTERM) afterwards."""
+    svc = ServiceProcess(command, args, free_port(), http=http)
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
+@contextlib.contextmanager
 def running(
     command: str,
     args: list[str],
@@ -158,17 +168,27 @@ def running(
 
 
 @contextlib.contextmanager
+def grammar_and_worker_started(
+    model: str, grammar_args: Sequence[str] = (), worker_args: Sequence[str] = ()
+) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+    """A grammar service (MODEL's tokenizer) and a worker on MODEL that uses it, started side by
+    side (a worker serves before its grammar service answers: it connects when it needs one)."""
+    with (
+        spawned("grammar-service", ["--tokenizer", model, *grammar_args]) as gs,
+        spawned("worker", ["--model", model, "--grammar-service", gs.address, *worker_args]) as w,
+    ):
+        gs.wait_ready(180.0)
+        w.wait_ready(180.0)
+        yield gs, w
+
+
+@contextlib.contextmanager
 def grammar_and_worker(
     worker_args: list[str] | tuple[str, ...] = (),
     grammar_args: list[str] | tuple[str, ...] = (),
 ) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
     """A grammar service (default tokenizer) and a worker on the embedded model that uses it."""
-    with (
-        running("grammar-service", ["--tokenizer", "default", *grammar_args]) as gs,
-        running(
-            "worker", ["--model", "default", "--grammar-service", gs.address, *worker_args]
-        ) as w,
-    ):
+    with grammar_and_worker_started("default", grammar_args, worker_args) as (gs, w):
         yield gs, w
 
 
@@ -181,8 +201,8 @@ def full_stack(
     """Grammar service + worker + gateway on one model SPEC (its tokenizer for the grammar
     service); yields the gateway."""
     with (
-        running("grammar-service", ["--tokenizer", model]) as gs,
-        running("worker", ["--model", model, "--grammar-service", gs.address, *worker_args]) as w,
+        grammar_and_worker_started(model, worker_args=worker_args) as (_, w),
+        # The gateway reports healthy before it reaches its worker: started once the worker is.
         running("gateway", ["--worker", w.address, *gateway_args], http=True) as g,
     ):
         yield g
