@@ -21,7 +21,9 @@ split their work over torch's intra-op threads (`at::parallel_for`, which is ser
 library is built with `-fopenmp`; it then shares the OpenMP runtime torch has loaded). They need a
 C++ compiler (inductor already does); where it or the CPU features are missing, or
 `MASKWIRE_KERNELS=0` is set, `available()` is False (the reason logged once) and the worker uses
-aten's int4 kernel and SDPA instead.
+aten's int4 kernel and SDPA instead. `MASKWIRE_KERNELS=<set name>` (`avx2`) loads that set where the
+CPU runs it instead of the richest one: the AVX2 host's code path on an AVX-512 host, for tests and
+benchmarks.
 
 The shared object is built into `<compile cache>/kernels/` (`compile_cache.kernel_directory`:
 under the worker's `--compile-cache`), named by a hash of the sources (headers included), the torch
@@ -102,7 +104,7 @@ CXX_FLAGS = (
 )
 BLOCK, GROUP = 16, 32
 BLOCK_F32 = 8
-DISABLE_ENV = "MASKWIRE_KERNELS"
+KERNELS_ENV = "MASKWIRE_KERNELS"  # 0: none; a set name: that set; unset: the richest
 
 _lock = threading.Lock()
 _loaded: KernelSet | None = None
@@ -163,14 +165,16 @@ def _build_somewhere(kernel_set: KernelSet) -> Path:
 
 
 def cpu_kernel_set() -> KernelSet | None:
-    """The richest kernel set this CPU runs (from its flags; nothing is built)."""
+    """The kernel set for this CPU (from its flags; nothing is built): the richest it runs, or
+    the one `MASKWIRE_KERNELS` names."""
     return _choose()[0]
 
 
 def _choose() -> tuple[KernelSet | None, str]:
     """The kernel set to build here, or None and why not."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return None, f"{DISABLE_ENV}=0"
+    wanted = os.environ.get(KERNELS_ENV, "")
+    if wanted == "0":
+        return None, f"{KERNELS_ENV}=0"
     if sys.platform != "linux":
         return None, "not Linux"
     _, flags = cpu_model_and_flags()
@@ -182,6 +186,12 @@ def _choose() -> tuple[KernelSet | None, str]:
             None,
             f"the CPU lacks {', '.join(f for f in KERNEL_SETS[-1].cpu_flags if f not in flags)}",
         )
+    if wanted not in ("", "1"):
+        named = [s for s in runnable if s.name == wanted]
+        if not named:
+            sets = ", ".join(s.name for s in KERNEL_SETS)
+            return None, f"{KERNELS_ENV}={wanted}: not a kernel set this CPU runs ({sets})"
+        runnable = named
     if compiler() is None:
         return None, "no C++ compiler (set CXX)"
     return runnable[0], ""

@@ -459,10 +459,22 @@ def test_a_read_only_kernel_directory_builds_in_a_temporary_one(
 
 
 def test_the_environment_switch_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(kernels.DISABLE_ENV, "0")
+    monkeypatch.setenv(kernels.KERNELS_ENV, "0")
     monkeypatch.setattr(kernels, "_tried", False)
     monkeypatch.setattr(kernels, "_loaded", None)
     assert not kernels.available()
+
+
+@pytest.mark.skipif(
+    not {"avx2", "fma"} <= cpu_model_and_flags()[1], reason="the CPU runs no kernel set"
+)
+def test_the_environment_names_the_kernel_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.KERNELS_ENV, "avx2")
+    chosen = kernels.cpu_kernel_set()
+    assert chosen is not None and chosen.name == "avx2" and not chosen.bf16
+    monkeypatch.setenv(kernels.KERNELS_ENV, "avx9")
+    assert kernels.cpu_kernel_set() is None
+    assert "MASKWIRE_KERNELS=avx9: not a kernel set" in kernels._choose()[1]
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -532,7 +544,7 @@ def test_every_kernel_set_the_cpu_runs_builds_and_computes_right(
     library = kernels._build_somewhere(kernel_set)
     assert kernel_set.name in library.name
     root = Path(__file__).resolve().parents[3]
-    env = {**os.environ, kernels.DISABLE_ENV: "0", "PYTHONPATH": str(root)}
+    env = {**os.environ, kernels.KERNELS_ENV: "0", "PYTHONPATH": str(root)}
     done = subprocess.run(
         [sys.executable, "-c", OTHER_SET_CHECKS, str(library)],
         cwd=root,
