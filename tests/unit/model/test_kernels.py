@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -525,8 +526,8 @@ print("checked")
 """
 
 
-@pytest.mark.skipif(kernels.compiler() is None, reason="no C++ compiler")
-@pytest.mark.parametrize(
+# The kernel sets this CPU runs but the worker does not load here (AVX2 on an AVX-512 host).
+OTHER_SETS = pytest.mark.parametrize(
     "kernel_set",
     [
         s
@@ -535,6 +536,10 @@ print("checked")
     ],
     ids=lambda s: s.name,
 )
+
+
+@pytest.mark.skipif(kernels.compiler() is None, reason="no C++ compiler")
+@OTHER_SETS
 def test_every_kernel_set_the_cpu_runs_builds_and_computes_right(
     kernel_set: kernels.KernelSet,
 ) -> None:
@@ -554,3 +559,22 @@ def test_every_kernel_set_the_cpu_runs_builds_and_computes_right(
         timeout=600,
     )
     assert done.returncode == 0 and done.stdout.strip() == "checked", done.stderr[-3000:]
+
+
+@pytest.mark.skipif(kernels.compiler() is None, reason="no C++ compiler")
+@OTHER_SETS
+def test_every_kernel_set_the_cpu_runs_serves_fp32_models(kernel_set: kernels.KernelSet) -> None:
+    """The fp32 tests of the serving linears and the fused decode step, in a process that loads
+    only `kernel_set` (`MASKWIRE_KERNELS`), as a host whose richest set it is would run them."""
+    root = Path(__file__).resolve().parents[3]
+    tests = ("tests/unit/model/test_serving_linear.py", "tests/unit/model/test_fused_decode.py")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, "-k", "fp32"],
+        cwd=root,
+        env={**os.environ, kernels.KERNELS_ENV: kernel_set.name},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert re.search(r"\b\d+ passed\b", done.stdout) and "skipped" not in done.stdout
