@@ -67,11 +67,11 @@ class CompiledOrEager:
         self.retried = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # `torch.compile` imported dynamo; this module does not, as importing it takes about a
+        # second, which an eager worker does without.
         while self.compiled is not None:
             try:
                 return self.compiled(*args, **kwargs)
-            # `torch.compile` imported dynamo; this module does not, as importing it takes
-            # about a second, which an eager worker does without.
             except torch._dynamo.exc.BackendCompilerFailed as e:
                 # The backend failed (a tracing error in our code would be `Unsupported` and is
                 # raised: the tests trace every graph). Nothing of this call ran on the device.

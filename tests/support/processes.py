@@ -136,9 +136,19 @@ class ServiceProcess:
 
 
 @contextlib.contextmanager
-def spawned(command: str, args: list[str], *, http: bool = False) -> Iterator[ServiceProcess]:
-    """Start a service on a free port without waiting for it; stop it (SIGTERM) afterwards."""
-    svc = ServiceProcess(command, args, free_port(), http=http)
+def spawned(
+    command: str,
+    args: list[str],
+    *,
+    http: bool = False,
+    tls: ClientTLS | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+) -> Iterator[ServiceProcess]:
+    """Start a service without waiting for it; stop it (SIGTERM) afterwards. `tls` for the
+    health check of a TLS server (`maskwire.tls.client_tls(...)`); `host`/`port` to listen on
+    (default a free port on 127.0.0.1)."""
+    svc = ServiceProcess(command, args, port or free_port(), http=http, tls=tls, host=host)
     try:
         yield svc
     finally:
@@ -156,20 +166,15 @@ def running(
     host: str = "127.0.0.1",
     port: int = 0,
 ) -> Iterator[ServiceProcess]:
-    """Start a service, wait until healthy, stop it (SIGTERM) afterwards; `tls` for the health
-    check of a TLS server (`maskwire.tls.client_tls(...)`); `host`/`port` to listen on (default
-    a free port on 127.0.0.1)."""
-    svc = ServiceProcess(command, args, port or free_port(), http=http, tls=tls, host=host)
-    try:
+    """`spawned`, and healthy before it is yielded."""
+    with spawned(command, args, http=http, tls=tls, host=host, port=port) as svc:
         svc.wait_ready(timeout_s)
         yield svc
-    finally:
-        svc.stop()
 
 
 @contextlib.contextmanager
-def grammar_and_worker_started(
-    model: str, grammar_args: Sequence[str] = (), worker_args: Sequence[str] = ()
+def grammar_and_worker(
+    worker_args: Sequence[str] = (), grammar_args: Sequence[str] = (), *, model: str = "default"
 ) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
     """A grammar service (MODEL's tokenizer) and a worker on MODEL that uses it, started side by
     side (a worker serves before its grammar service answers: it connects when it needs one)."""
@@ -183,16 +188,6 @@ def grammar_and_worker_started(
 
 
 @contextlib.contextmanager
-def grammar_and_worker(
-    worker_args: list[str] | tuple[str, ...] = (),
-    grammar_args: list[str] | tuple[str, ...] = (),
-) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
-    """A grammar service (default tokenizer) and a worker on the embedded model that uses it."""
-    with grammar_and_worker_started("default", grammar_args, worker_args) as (gs, w):
-        yield gs, w
-
-
-@contextlib.contextmanager
 def full_stack(
     model: str,
     gateway_args: list[str] | tuple[str, ...] = (),
@@ -201,7 +196,7 @@ def full_stack(
     """Grammar service + worker + gateway on one model SPEC (its tokenizer for the grammar
     service); yields the gateway."""
     with (
-        grammar_and_worker_started(model, worker_args=worker_args) as (_, w),
+        grammar_and_worker(worker_args, model=model) as (_, w),
         # The gateway reports healthy before it reaches its worker: started once the worker is.
         running("gateway", ["--worker", w.address, *gateway_args], http=True) as g,
     ):
