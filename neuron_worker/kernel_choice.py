@@ -13,7 +13,10 @@ random weights of the kind's shape and dtype.
 It keeps ONE path per kind for the whole decode role, never one per width: a token's logits must
 not depend on how many rows share its pass (batch invariance, `neuron_worker.model.linear`), on
 which speculation's identical outputs rely. A path that served only some widths would make a
-token's logits depend on its company.
+token's logits depend on its company. For the same reason a candidate whose own rows change with
+the width (a library kernel that blocks or splits its sums by the number of rows, as a matrix
+engine's may) is not eligible: the timing also runs each candidate on prefixes of one input at
+every width and compares the rows bit for bit (`Timings.width_dependent`, logged with the table).
 
 The score (`scores`): a candidate's time relative to the fastest candidate's at each width,
 combined by the geometric mean over the widths (1.0: fastest at every width; every width counts
@@ -71,11 +74,25 @@ FOOTPRINT_CACHES = 2  # a candidate's copies fill this many times the last-level
 FALLBACK_CACHE = 32 << 20  # the last-level cache's size where /sys does not say it
 MAX_FOOTPRINT = 512 << 20  # the most memory a kind's copies take (all candidates, beyond one each)
 MAX_COPIES = 1024  # copies of a tiny weight (never a real model's) stop here
-CACHE_FORMAT = 1  # bump when the file's layout or the measuring method changes
+CACHE_FORMAT = 2  # bump when the file's layout or the measuring method changes
 DENSE = "none"  # the dense form's scheme (as `ServingLinear` names it)
 
 # kind -> candidate scheme -> tokens per pass -> ms per call
 Table = dict[str, dict[str, dict[int, float]]]
+
+
+@dataclass(frozen=True)
+class Timings:
+    """What the timing found: ms per call, and per kind the candidates whose rows are not
+    bit-identical at every width (never chosen)."""
+
+    ms: Table
+    width_dependent: dict[str, tuple[str, ...]]
+
+    def eligible(self, kind: Kind) -> tuple[str, ...]:
+        """`kind`'s candidates that compute a row the same way at every width."""
+        dependent = self.width_dependent.get(kind.name, ())
+        return tuple(c for c in kind.candidates if c not in dependent)
 
 
 @dataclass(frozen=True)
@@ -100,7 +117,7 @@ class Choice:
     schemes: dict[str, str]
     kinds: tuple[Kind, ...]
     rows: tuple[int, ...]
-    table: Table
+    timings: Timings
     origin: str  # how the table was had: timed (and where cached), or read from the cache
 
     def describe(self) -> list[str]:
@@ -110,14 +127,15 @@ class Choice:
         for kind in self.kinds:
             shape = f"{kind.name} [{kind.shape[0]}x{kind.shape[1]}]"
             chosen = self.schemes[kind.name]
-            if kind.name not in self.table:
+            if kind.name not in self.timings.ms:
                 lines.append(f"  {shape}: {name(chosen)} (the only candidate)")
                 continue
-            times = self.table[kind.name]
+            times = self.timings.ms[kind.name]
             score = scores(times)
+            eligible = self.timings.eligible(kind)
             parts = [
                 f"{name(c)} ({k}) {' '.join(f'{times[c][r]:.3f}' for r in self.rows)}"
-                f" score {score[c]:.2f}"
+                f" score {score[c]:.2f}{'' if c in eligible else ' rows vary with the width'}"
                 for c, k in zip(kind.candidates, kind.kernels, strict=True)
             ]
             lines.append(f"  {shape}: {'; '.join(parts)} -> {name(chosen)}")
@@ -142,13 +160,27 @@ def scores(times: Mapping[str, Mapping[int, float]]) -> dict[str, float]:
     }
 
 
-def pick(kind: Kind, times: Mapping[str, Mapping[int, float]], margin: float = MARGIN) -> str:
-    """The scheme `kind` runs: the best-scoring candidate where it scores lower than the
-    default's by more than `margin` (0.1: 10%), else the default."""
+def pick(
+    kind: Kind,
+    times: Mapping[str, Mapping[int, float]],
+    margin: float = MARGIN,
+    *,
+    eligible: Sequence[str] | None = None,
+) -> str:
+    """The scheme `kind` runs, among the `eligible` candidates (default: all): the
+    best-scoring one where it scores lower than the default's by more than `margin` (0.1: 10%),
+    else the default; the best-scoring one where the default is not eligible. Where none is,
+    the default, with a warning (a row's logits then depend on the rows that share its pass)."""
+    allowed = list(kind.candidates if eligible is None else eligible)
+    if not allowed:
+        log.warning("no decode kernel for %s computes a row alike at every width", kind.name)
+        return kind.default
     if len(kind.candidates) == 1:
         return kind.default
     score = scores({c: times[c] for c in kind.candidates})
-    best = min(kind.candidates, key=score.__getitem__)
+    best = min(allowed, key=score.__getitem__)
+    if kind.default not in allowed:
+        return best
     return best if score[best] * (1 + margin) < score[kind.default] else kind.default
 
 
@@ -192,7 +224,7 @@ def kinds_of(model: Transformer, sources: Mapping[str, ExactWeight]) -> tuple[Ki
     return tuple(kinds)
 
 
-Measure = Callable[[Sequence[Kind], Sequence[int], torch.dtype], Table]
+Measure = Callable[[Sequence[Kind], Sequence[int], torch.dtype], Timings]
 
 
 def choose(
@@ -212,18 +244,23 @@ def choose(
     timed = [k for k in kinds if len(k.candidates) > 1]
     key = cache_key(kinds, widths, dtype, torch.get_num_threads())
     path = (directory or kernel_directory()) / f"choice-{key}.json"
-    table = _read(path, timed, widths)
-    if table is not None:
+    timings = _read(path, timed, widths)
+    if timings is not None:
         origin = f"read from {path}"
     elif not timed:
-        table, origin = {}, "not timed (one candidate per kind)"
+        timings, origin = Timings({}, {}), "not timed (one candidate per kind)"
     else:
         began = time.perf_counter()
-        table = (measure or measure_table)(timed, widths, dtype)
+        timings = (measure or measure_table)(timed, widths, dtype)
         origin = f"timed in {time.perf_counter() - began:.1f} s"
-        origin += f", cached in {path}" if _write(path, table) else " (not cached)"
-    schemes = {k.name: pick(k, table[k.name]) if k in timed else k.default for k in kinds}
-    choice = Choice(schemes, kinds, widths, table, origin)
+        origin += f", cached in {path}" if _write(path, timings) else " (not cached)"
+    schemes = {
+        k.name: pick(k, timings.ms[k.name], eligible=timings.eligible(k))
+        if k in timed
+        else k.default
+        for k in kinds
+    }
+    choice = Choice(schemes, kinds, widths, timings, origin)
     for line in choice.describe():
         log.info("%s", line)
     return choice
@@ -267,12 +304,14 @@ def last_level_cache() -> int:
     return max(sizes, default=FALLBACK_CACHE)
 
 
-def measure_table(kinds: Sequence[Kind], rows: Sequence[int], dtype: torch.dtype) -> Table:
+def measure_table(kinds: Sequence[Kind], rows: Sequence[int], dtype: torch.dtype) -> Timings:
     """Time every candidate of every kind at every width, with random weights (module
-    docstring); a kind's copies are freed before the next kind's are built."""
+    docstring), and check that each computes a row the same at every width; a kind's copies
+    are freed before the next kind's are built."""
     g = torch.Generator().manual_seed(0)
     footprint = FOOTPRINT_CACHES * last_level_cache()
     table: Table = {}
+    width_dependent: dict[str, tuple[str, ...]] = {}
     with torch.inference_mode():
         for kind in kinds:
             out_features, in_features = kind.shape
@@ -287,12 +326,22 @@ def measure_table(kinds: Sequence[Kind], rows: Sequence[int], dtype: torch.dtype
                     [form, *(form.copy() for _ in range(copies - 1))]
                 )
             table[kind.name] = {scheme: {} for scheme in kind.candidates}
+            inputs = torch.randn(max(rows), in_features, generator=g, dtype=dtype)
             for r in rows:
-                x = torch.randn(r, in_features, generator=g, dtype=dtype)
-                for scheme, ms in _fastest_ms(rotations, x).items():
+                for scheme, ms in _fastest_ms(rotations, inputs[:r]).items():
                     table[kind.name][scheme][r] = ms
+            dependent = [s for s, forms in rotations.items() if _varies(next(forms), inputs, rows)]
+            if dependent:
+                width_dependent[kind.name] = tuple(dependent)
             del rotations
-    return table
+    return Timings(table, width_dependent)
+
+
+def _varies(form: Callable[[Tensor], Tensor], inputs: Tensor, rows: Sequence[int]) -> bool:
+    """Whether `form`'s output rows for a prefix of `inputs` differ from the same rows of the
+    whole, at any width in `rows` (compared bit for bit)."""
+    whole = form(inputs)
+    return any(not torch.equal(form(inputs[:r]), whole[:r]) for r in rows)
 
 
 def _fastest_ms(rotations: Mapping[str, Iterator[DecodeForm]], x: Tensor) -> dict[str, float]:
@@ -313,8 +362,8 @@ def _fastest_ms(rotations: Mapping[str, Iterator[DecodeForm]], x: Tensor) -> dic
     return {scheme: t * 1e3 for scheme, t in best.items()}
 
 
-def _read(path: Path, kinds: Sequence[Kind], rows: Sequence[int]) -> Table | None:
-    """The cached table at `path` where it holds every kind, candidate and width; else None."""
+def _read(path: Path, kinds: Sequence[Kind], rows: Sequence[int]) -> Timings | None:
+    """The cached timings at `path` where they hold every kind, candidate and width; else None."""
     try:
         raw = json.loads(path.read_text())
         table = {
@@ -324,20 +373,25 @@ def _read(path: Path, kinds: Sequence[Kind], rows: Sequence[int]) -> Table | Non
             }
             for kind in kinds
         }
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        width_dependent = {
+            kind: tuple(str(c) for c in candidates)
+            for kind, candidates in raw["width_dependent"].items()
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         if not isinstance(e, FileNotFoundError):
             log.warning("decode kernel choice %s is unusable (%s): timing again", path, e)
         return None
-    return table
+    return Timings(table, width_dependent)
 
 
-def _write(path: Path, table: Table) -> bool:
-    """Store `table` at `path` (whole or not at all); False, with a warning, where it cannot."""
+def _write(path: Path, timings: Timings) -> bool:
+    """Store `timings` at `path` (whole or not at all); False, with a warning, where it cannot."""
     data = {
         "table": {
             kind: {c: {str(r): ms for r, ms in times.items()} for c, times in candidates.items()}
-            for kind, candidates in table.items()
-        }
+            for kind, candidates in timings.ms.items()
+        },
+        "width_dependent": {kind: list(c) for kind, c in timings.width_dependent.items()},
     }
     tmp: str | None = None
     try:

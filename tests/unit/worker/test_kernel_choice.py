@@ -14,9 +14,9 @@ import torch
 from neuron_worker import compile_cache, kernel_choice
 from neuron_worker.drafter import DraftConfig
 from neuron_worker.engine_config import EngineConfig
-from neuron_worker.kernel_choice import Kind, Table, choose, decode_rows, pick, scores
+from neuron_worker.kernel_choice import Kind, Timings, choose, decode_rows, pick, scores
 from neuron_worker.model import Transformer, build_model, load_model
-from neuron_worker.model.linear import ServingLinear
+from neuron_worker.model.linear import DecodeForm, ServingLinear
 from neuron_worker.model.llama import PROJECTION_KINDS
 from tests.unit.model.tiny import SERVING, random_weights, serving_dtype
 
@@ -55,6 +55,71 @@ def test_another_candidate_needs_to_beat_the_default_by_the_margin() -> None:
     assert pick(head, flat({"int8": 1.0, "none": 0.5})) == "none"
 
 
+def test_a_candidate_whose_rows_vary_with_the_width_is_never_chosen(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    times = flat({"int4": 1.0, "int8": 0.85, "none": 0.5})
+    assert pick(LAYERS, times) == "none"
+    assert pick(LAYERS, times, eligible=("int4", "int8")) == "int8"  # the next best
+    noise = flat({"int4": 1.0, "int8": 0.95, "none": 0.5})
+    assert pick(LAYERS, noise, eligible=("int4", "int8")) == "int4"  # by the usual margin
+    # the default varies: the best candidate that does not, even a slower one
+    slower = flat({"int4": 0.5, "int8": 1.0, "none": 2.0})
+    assert pick(LAYERS, slower, eligible=("int8", "none")) == "int8"
+    # every candidate varies: the default, with a warning
+    assert pick(LAYERS, times, eligible=()) == "int4"
+    assert "no decode kernel for w13 computes a row alike at every width" in caplog.text
+
+
+def test_the_choice_passes_over_and_logs_a_width_dependent_candidate(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = tiny_model()
+    layer_candidates = next(k for k in kernel_choice.kinds_of(model, {}) if k.name == "w2")
+    if len(layer_candidates.candidates) < 2:
+        pytest.skip("one decode kernel for the layers on this CPU: nothing to choose")
+    fastest = layer_candidates.candidates[-1]
+    caplog.set_level("INFO", logger="neuron_worker.kernel_choice")
+    timer = Timer(dict.fromkeys(WIDTHS, fastest), width_dependent=[fastest])
+    choice = choose(model, {}, WIDTHS, directory=tmp_path, measure=timer)
+    assert choice.schemes["w2"] == "int4"
+    assert f"{kernel_choice.name(fastest)} (" in caplog.text
+    assert "rows vary with the width" in caplog.text
+    # the finding is cached with the times
+    again = choose(model, {}, WIDTHS, directory=tmp_path, measure=timer)
+    assert timer.calls == 1 and again.timings == choice.timings
+    assert again.schemes["w2"] == "int4"
+
+
+def test_the_timing_finds_a_kernel_whose_rows_vary_with_the_width(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A candidate that rounds differently by the number of rows (as a kernel blocking its sums
+    by rows may) is found on the real timing path, and the choice passes it over."""
+    real = DecodeForm.of
+
+    class Varying(DecodeForm):
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            return super().__call__(x) + (x.shape[0] > 2) * 1e-2
+
+        def copy(self) -> DecodeForm:
+            return Varying(self.scheme, self.kernel, super().copy().tensors)
+
+    def of(weight: torch.Tensor, scheme: str) -> DecodeForm:
+        form = real(weight, scheme)
+        return Varying(form.scheme, form.kernel, form.tensors) if scheme == "int4" else form
+
+    monkeypatch.setattr(DecodeForm, "of", staticmethod(of))
+    kinds = [k for k in kernel_choice.kinds_of(tiny_model(), {}) if "int4" in k.candidates]
+    if not kinds or len(kinds[0].candidates) < 2:
+        pytest.skip("one decode kernel for the layers on this CPU: nothing to choose")
+    timings = kernel_choice.measure_table(kinds, (1, 2, 4), serving_dtype())
+    for kind in kinds:
+        assert timings.width_dependent[kind.name] == ("int4",)
+        assert "int4" not in timings.eligible(kind)
+        assert pick(kind, timings.ms[kind.name], eligible=timings.eligible(kind)) != "int4"
+
+
 def test_the_widths_are_every_decode_pass_and_the_verification_ones() -> None:
     assert decode_rows(EngineConfig()) == (1, 2, 3, 4, 5, 6, 7, 8)
     assert decode_rows(EngineConfig(max_batch=32)) == (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
@@ -70,21 +135,28 @@ def tiny_model() -> Transformer:
 
 class Timer:
     """A `measure` that hands out `winners[width]` as the fastest at each width (others
-    twice as slow), and counts its calls."""
+    twice as slow), finds the `width_dependent` candidates' rows varying, and counts its calls."""
 
-    def __init__(self, winners: Mapping[int, str] | None = None) -> None:
+    def __init__(
+        self, winners: Mapping[int, str] | None = None, width_dependent: Sequence[str] = ()
+    ) -> None:
         self.winners = winners or {}
+        self.width_dependent = tuple(width_dependent)
         self.calls = 0
 
-    def __call__(self, kinds: Sequence[Kind], rows: Sequence[int], dtype: torch.dtype) -> Table:
+    def __call__(self, kinds: Sequence[Kind], rows: Sequence[int], dtype: torch.dtype) -> Timings:
         self.calls += 1
-        return {
+        ms = {
             k.name: {
                 c: {r: 1.0 if self.winners.get(r, k.default) == c else 2.0 for r in rows}
                 for c in k.candidates
             }
             for k in kinds
         }
+        dependent = {
+            k.name: tuple(c for c in k.candidates if c in self.width_dependent) for k in kinds
+        }
+        return Timings(ms, {k: c for k, c in dependent.items() if c})
 
 
 def test_the_layers_candidates_are_every_kernel_the_cpu_runs() -> None:
@@ -152,11 +224,13 @@ def test_every_candidate_is_timed_at_every_width(tmp_path: Path) -> None:
     and a choice among the candidates."""
     model = tiny_model()
     kinds = kernel_choice.kinds_of(model, {})
-    table = kernel_choice.measure_table(kinds, (1, 3), serving_dtype())
+    timings = kernel_choice.measure_table(kinds, (1, 3), serving_dtype())
     for kind in kinds:
-        assert set(table[kind.name]) == set(kind.candidates)
-        for times in table[kind.name].values():
+        assert set(timings.ms[kind.name]) == set(kind.candidates)
+        for times in timings.ms[kind.name].values():
             assert set(times) == {1, 3} and all(0 < t < 1000 for t in times.values())
+        # the worker's own kernels compute a row alike at every width (a library's may not)
+        assert kind.default in timings.eligible(kind), kind
     choice = choose(model, {}, (1, 3), directory=tmp_path)
     assert all(choice.schemes[k.name] in k.candidates for k in kinds)
 
@@ -173,7 +247,7 @@ def test_a_restart_reads_the_cached_table_and_a_new_key_times_again(
     caplog.set_level("INFO", logger="neuron_worker.kernel_choice")
     again = choose(model, {}, WIDTHS, directory=tmp_path, measure=timer)
     assert timer.calls == 1 and again.origin == f"read from {files[0]}"
-    assert (again.schemes, again.table) == (first.schemes, first.table)
+    assert (again.schemes, again.timings) == (first.schemes, first.timings)
     # the table is logged, with where it came from and the choice per kind
     assert f"decode kernels read from {files[0]}" in caplog.text
     assert "wqkv [" in caplog.text and "-> " in caplog.text
@@ -200,7 +274,7 @@ def test_a_forced_quantize_times_nothing_and_auto_takes_the_measured_choice(
 ) -> None:
     monkeypatch.setattr(compile_cache, "_root", tmp_path)
 
-    def fail(kinds: Sequence[Kind], rows: Sequence[int], dtype: torch.dtype) -> Table:
+    def fail(kinds: Sequence[Kind], rows: Sequence[int], dtype: torch.dtype) -> Timings:
         raise AssertionError("timed")
 
     monkeypatch.setattr(kernel_choice, "measure_table", fail)
