@@ -4,7 +4,7 @@ across restarts, so a restart loads instead of compiling.
 Under the cache's root:
 
 * `<ranges>/inductor/`: inductor's on-disk caches (FX graphs, AOT autograd, generated kernels),
-  one `<ranges>` directory per set of symbolic size ranges (`worker_directory`);
+  one `<ranges>` directory per set of symbolic size ranges and CPU (`worker_directory`);
 * `<ranges>/graphs/`: the forward graphs saved whole (`neuron_worker.saved_graphs`; CPU only);
 * `kernels/`: the worker's own C++ kernels (`neuron_worker.kernels` asks `kernel_directory`).
 
@@ -17,6 +17,7 @@ kernels, the saved graphs and the start-up settings (`neuron_worker.tuning`) all
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from maskwire.cpus import cpu_model_and_flags
 from neuron_worker.engine_config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -54,13 +56,20 @@ def worker_directory(root: Path, engine: EngineConfig) -> Path:
     row, flat passes). torch's FX graph cache does not key on the ranges a dimension was marked
     dynamic with, and a graph compiled for rows <= 8 carries that bound as a guard: loaded by a
     worker whose rows go to 40, dynamo refuses it (ConstraintViolationError at warm-up). `engine`
-    is the configuration as the flags give it (before it is fitted to the model's context)."""
+    is the configuration as the flags give it (before it is fitted to the model's context).
+
+    And per CPU (its instruction-set flags): inductor compiles its C++ with `-march=native` and
+    keys its caches by the command line, not by what `native` meant, so a cache shared between
+    hosts (a volume several nodes mount) would hand one CPU's code to another that may lack its
+    instructions."""
     # Flat passes' rows go up to it; "auto": the runner's default (`graphs.default_flat_tokens`).
     flat = "auto" if engine.flat_tokens is None else engine.flat_tokens
     ranges = (
         f"rows{engine.max_batch}-seq{engine.max_seq_len}-verify{engine.verify_width}-flat{flat}"
     )
-    return root / f"{ranges}-layout{GRAPH_LAYOUT}"
+    flags = " ".join(sorted(cpu_model_and_flags()[1]))
+    cpu = hashlib.sha256(flags.encode()).hexdigest()[:8]
+    return root / f"{ranges}-layout{GRAPH_LAYOUT}-cpu{cpu}"
 
 
 def use_for_worker(

@@ -42,7 +42,24 @@ def test_graphs_are_split_by_symbolic_ranges(tmp_path: Path) -> None:
     # but not by what leaves the graphs' ranges alone
     assert worker_directory(tmp_path, replace(EngineConfig(), max_queue=1)) == plain
     # and by the graphs' layout: the same flags compile other ranges after an upgrade
-    assert plain.name.endswith(f"-layout{GRAPH_LAYOUT}")
+    assert f"-layout{GRAPH_LAYOUT}-" in plain.name
+
+
+def test_graphs_are_split_by_the_cpus_instruction_sets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inductor's `-march=native` code from one CPU never reaches another through a shared
+    cache; the same flags share it whatever the model name."""
+    cpus = {
+        "zen4": ("AMD EPYC 9R14", frozenset({"avx2", "avx512f", "avx512_bf16"})),
+        "zen4 renamed": ("AMD EPYC", frozenset({"avx2", "avx512f", "avx512_bf16"})),
+        "skylake": ("Intel Xeon Platinum 8175M", frozenset({"avx2", "avx512f"})),
+    }
+    found = {}
+    for name, cpu in cpus.items():
+        monkeypatch.setattr(compile_cache, "cpu_model_and_flags", lambda cpu=cpu: cpu)
+        found[name] = worker_directory(tmp_path, EngineConfig())
+    assert found["zen4"] == found["zen4 renamed"] != found["skylake"]
 
 
 def test_the_kernels_are_built_under_the_workers_cache_root(
