@@ -12,11 +12,14 @@
 # this script writes on stdout (everything else goes to stderr):
 #   BIN=$(bash bench/build_llama_server.sh)            # $HOME/.cache/maskwire-peers/...
 #   bash bench/build_llama_server.sh --dir /tmp/peers --version 0.3.36 --jobs 2
+# --cpu-flags "sse4_2 avx avx2 bmi2 fma f16c" builds for those instruction sets instead of this
+# CPU's (an AVX2-only host's build, to run beside the other engines held to AVX2).
 set -euo pipefail
 
 VERSION=0.3.36
 DIR="${HOME}/.cache/maskwire-peers"
 JOBS=2
+CPU_FLAGS=""
 PYTHON="${PYTHON:-python3}"
 
 while [[ $# -gt 0 ]]; do
@@ -24,15 +27,16 @@ while [[ $# -gt 0 ]]; do
         --dir) DIR="$2"; shift 2 ;;
         --version) VERSION="$2"; shift 2 ;;
         --jobs) JOBS="$2"; shift 2 ;;
-        -h | --help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 0 ;;
+        --cpu-flags) CPU_FLAGS="$2"; shift 2 ;;
+        -h | --help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 0 ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
 done
 
 log() { echo "[build_llama_server] $*" >&2; }
 
-# --- this CPU's instruction sets, as ggml's cmake options ---------------------------------------
-flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+# --- this CPU's instruction sets (or --cpu-flags), as ggml's cmake options ----------------------
+flags=" ${CPU_FLAGS:-$(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2)} "
 has() { [[ "$flags" == *" $1 "* ]]; }
 onoff() { if has "$1"; then echo ON; else echo OFF; fi; }
 # GGML_AVX512 compiles with -mavx512f/cd/vl/dq/bw together, so it needs all five.

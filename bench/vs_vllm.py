@@ -222,16 +222,24 @@ def main() -> None:
 
 
 def cpu_features() -> dict[str, Any]:
-    """The CPU's model and the vector extensions the figures depend on."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next(
-        (ln.split(":", 1)[1].strip() for ln in info.splitlines() if "model name" in ln), ""
-    )
-    flags = next(
-        (ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []
-    )
+    """The CPU's model, the vector extensions the figures depend on, and the variables that hold
+    the engines to fewer of them (set to emulate another host)."""
+    from maskwire.cpus import cpu_model_and_flags
+
+    model, flags = cpu_model_and_flags()
     wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
-    return {"model": model, "cpus": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
+    held = (
+        "ONEDNN_MAX_CPU_ISA",
+        "ATEN_CPU_CAPABILITY",
+        "TORCHINDUCTOR_CPP_MARCH",
+        "MASKWIRE_KERNELS",
+    )
+    return {
+        "model": model,
+        "cpus": os.cpu_count(),
+        "flags": [f for f in wanted if f in flags],
+        "held_to": {v: os.environ[v] for v in held if v in os.environ},
+    }
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
