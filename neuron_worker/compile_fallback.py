@@ -63,7 +63,7 @@ class CompiledOrEager:
         self.eager = fn
         self.name = name
         self.options = options
-        self.compiled: Callable[..., Any] | None = torch.compile(fn, **options)
+        self.compiled: Callable[..., Any] | None = torch.compile(fn, **_fresh(options))
         self.retried = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -91,7 +91,9 @@ class CompiledOrEager:
             )
             COMPILE_RETRIES.labels(function=self.name).inc()
             options = {**self.options.get("options", {}), **safer}
-            self.compiled = torch.compile(self.eager, **{**self.options, "options": options})
+            self.compiled = torch.compile(
+                self.eager, **_fresh({**self.options, "options": options})
+            )
             return
         log.error(
             "the compiler failed on %s; serving it eager from now on (slower, same results): %s",
@@ -100,6 +102,14 @@ class CompiledOrEager:
         )
         EAGER_FALLBACKS.labels(function=self.name).inc()
         self.compiled = None
+
+
+def _fresh(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with a copy of its inner "options": `torch.compile` pops the dynamo settings
+    (`guard_filter_fn`) out of that dict, so a dict shared between calls would give every graph
+    after the first the default guards (the one on the thread count included)."""
+    inner = options.get("options")
+    return {**options, "options": dict(inner)} if inner is not None else dict(options)
 
 
 def compile_or_eager(fn: F, *, name: str, **options: Any) -> F:

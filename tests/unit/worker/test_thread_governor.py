@@ -412,6 +412,46 @@ def test_a_compiled_graph_serves_any_team_size_without_compiling_again() -> None
     assert compiled_per_setting == [1, 2]  # the fixed-size kernels need a graph per size
 
 
+def test_graphs_compiled_with_one_shared_options_dict_all_serve_any_team_size() -> None:
+    """The sampler compiles its graphs with one options dict, from which `torch.compile` pops
+    the guard filter: every graph must still drop the guard on the thread count, or the
+    governor's first smaller team compiles them again while requests wait."""
+    import torch
+    import torch._inductor.config
+    from torch._dynamo.utils import counters
+
+    from neuron_worker.backends import serving_guards
+    from neuron_worker.compile_fallback import compile_or_eager
+
+    def doubled(x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).sum(-1)
+
+    def tripled(x: torch.Tensor) -> torch.Tensor:
+        return (x * 3).sum(-1)
+
+    x = torch.randn(8, 512)
+    before = torch.get_num_threads()
+    try:
+        torch._inductor.config.cpp.dynamic_threads = True
+        torch._dynamo.reset()
+        counters.clear()
+        options = {"guard_filter_fn": serving_guards}
+        graphs = [
+            compile_or_eager(f, name=f.__name__, fullgraph=True, options=options)
+            for f in (doubled, tripled)
+        ]
+        for n in (2, 1, 2):
+            torch.set_num_threads(n)
+            for g, f in zip(graphs, (doubled, tripled), strict=True):
+                assert torch.allclose(g(x), f(x))
+        assert counters["stats"]["unique_graphs"] == 2  # one each, whatever the team size
+        assert "guard_filter_fn" in options  # the caller's dict is left as it was
+    finally:
+        torch._inductor.config.cpp.dynamic_threads = False
+        torch.set_num_threads(before)
+        torch._dynamo.reset()
+
+
 def test_a_trial_with_no_calls_to_compare_goes_back_on_a_partial_stall(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
