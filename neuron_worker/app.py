@@ -25,6 +25,7 @@ from neuron_worker.config import GrammarSettings, WorkerConfig, fit_context
 from neuron_worker.engine import Engine
 from neuron_worker.engine_config import EngineConfig
 from neuron_worker.grammar_client import GrammarClient
+from neuron_worker.greedy_kernel import GreedyKernel
 from neuron_worker.metrics import Metrics
 from neuron_worker.parallel.serving import RankGroup, RankSpec
 from neuron_worker.servicer import WorkerServicer
@@ -95,6 +96,10 @@ def build_step_device(
         structured_outputs=config.structured_outputs,
         compile=backend.compile_enabled,
     )
+    greedy = None
+    if config.greedy_kernel and GreedyKernel.available(backend.device):
+        greedy = GreedyKernel(vocab_size, eos_ids)
+        log.info("greedy steps sample in one C++ call (the greedy kernel)")
     return StepDevice(
         model=model,
         backend=backend,
@@ -103,6 +108,7 @@ def build_step_device(
         eos_ids=eos_ids,
         words=words_per_row(vocab_size),
         graph_dir=graph_dir,
+        greedy=greedy,
     )
 
 

@@ -239,6 +239,14 @@ def _pass_flags(p: argparse.ArgumentParser) -> None:
         "AVX2 ones, one device; default on)",
     )
     g.add_argument(
+        "--greedy-kernel",
+        action=argparse.BooleanOptionalAction,
+        default=ENGINE.greedy_kernel,
+        help="sample steps whose rows are all greedy, without penalties or logprobs, in one C++ "
+        "call instead of the sampler's graphs (the same tokens), where the worker's kernels run "
+        "(CPU, one device; default on)",
+    )
+    g.add_argument(
         "--overlap",
         action=argparse.BooleanOptionalAction,
         default=None,

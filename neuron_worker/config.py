@@ -235,6 +235,7 @@ def _engine_config(args: argparse.Namespace, *, overlap: bool, speculative: str)
         overlap=overlap,
         jump_forward=args.jump_forward,
         fused_decode=args.fused_decode,
+        greedy_kernel=args.greedy_kernel,
         speculative=_draft_config(args) if speculative == "ngram" else None,
     )
 

@@ -42,6 +42,9 @@ class EngineConfig:
     # Passes of one token per row as one C++ call (`neuron_worker.model.fused_decode`) where it
     # serves the model; else the forward graph.
     fused_decode: bool = True
+    # All-greedy steps without penalties or logprobs sampled in one C++ call
+    # (`neuron_worker.greedy_kernel`) where the kernels run; else the sampler's graphs.
+    greedy_kernel: bool = True
     # Speculative decoding (n-gram drafts checked by the grammar); None = off.
     speculative: DraftConfig | None = None
 

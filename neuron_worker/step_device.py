@@ -29,6 +29,7 @@ from torch import Tensor
 from neuron_worker.backends import Backend
 from neuron_worker.engine_config import EngineConfig
 from neuron_worker.graphs import ForwardRunner, Pass, StepModel
+from neuron_worker.greedy_kernel import GreedyKernel
 from neuron_worker.masks import scatter_mask_rows
 from neuron_worker.penalties import OccurrenceTable, PenaltyTensors
 from neuron_worker.request import TokenLogprob
@@ -146,16 +147,19 @@ class StepDevice:
         eos_ids: tuple[int, ...],
         words: int,
         graph_dir: Path | None = None,
+        greedy: GreedyKernel | None = None,
     ) -> None:
         """``eos_ids``: the tokenizer's EOS tokens (banned for ``ignore_eos`` rows); ``words``:
         packed mask words per row (the tokenizer's vocabulary); ``graph_dir``: where compiled
-        forward graphs are saved and loaded (:class:`ForwardRunner`)."""
+        forward graphs are saved and loaded (:class:`ForwardRunner`); ``greedy``: samples the
+        all-greedy steps in one call instead of the sampler's graphs (None: the graphs)."""
         self.model = model
         self.backend = backend
         self.sampler = sampler
         self.config = config
         self.eos_ids = eos_ids
         self.words = words
+        self.greedy = greedy
         # One extra cache slot that padding rows point at, so they can never touch a live slot.
         self.pad_slot = config.max_batch
         token_buckets = list(config.token_buckets) or pow2_buckets(1, config.max_seq_len)
@@ -248,7 +252,10 @@ class StepDevice:
 
     def sample(self, logits: Logits, batch: SampleBatch) -> Sampled:
         """Mask and sample every row of ``logits``; drops the step's logits handles."""
-        out = self._sample(self._get(logits), batch)
+        if self.greedy is not None and self.greedy.takes(batch.rows):
+            out = self._sample_greedy(self.greedy, self._get(logits), batch)
+        else:
+            out = self._sample(self._get(logits), batch)
         self._release_through(logits)
         return out
 
@@ -256,6 +263,15 @@ class StepDevice:
         """Nothing to stop for a single device (a leader stops its followers)."""
 
     # ------------------------------------------------------------------ sampling stages
+    def _sample_greedy(self, greedy: GreedyKernel, logits: Tensor, batch: SampleBatch) -> Sampled:
+        """An all-greedy step without penalties or logprobs: one kernel call, the tokens the
+        sampler's greedy graph would pick (:mod:`neuron_worker.greedy_kernel`)."""
+        compact, dest = batch.compact, batch.dest
+        if not self.config.structured_outputs:  # no mask rows at all: every row unconstrained
+            dest = np.full_like(dest, logits.shape[0])
+        tokens = greedy(logits, compact, dest, batch.ban_eos, len(batch.rows.rows))
+        return Sampled(tokens, [])
+
     def _sample(self, logits: Tensor, batch: SampleBatch) -> Sampled:
         """One sampler graph for a batch bucket (plus the penalty and logprob graphs on steps
         where a row asks for them). The packed mask rows travel as int32 and are reordered and

@@ -12,11 +12,15 @@
   fp32 activations, the same idea for CPUs where bf16 is emulated and the worker runs fp32.
 * `decode_attention_f32.cpp` (AVX2 + FMA): the decode attention for fp32 caches.
 * `decode_step_f32.cpp` (AVX2 + FMA): the whole decode pass for fp32 models.
+* `greedy_tokens.cpp` (any x86-64): a greedy step's sampling in one call (grammar mask rows, EOS
+  ban, first largest allowed logit), the sampler's greedy graph without its small ops
+  (`neuron_worker.step_device`).
 
 Each file's header says how; `decode_attention.h` holds what the two attention files share (input
 checks, the positions each query attends, the split into tasks), `matmul.h` what the two matmul
 files share (passes of up to 8 rows, output channel blocks over the threads). The library holds the
-files the CPU can run (`KERNEL_SETS`: all six on AVX512-BF16, the three fp32 ones on AVX2). They
+files the CPU can run (`KERNEL_SETS`: all seven on AVX512-BF16, the three fp32 ones and the greedy
+one on AVX2). They
 split their work over torch's intra-op threads (`at::parallel_for`, which is serial unless the
 library is built with `-fopenmp`; it then shares the OpenMP runtime torch has loaded). They need a
 C++ compiler (inductor already does); where it or the CPU features are missing, or
@@ -66,10 +70,11 @@ class KernelSet:
     bf16: bool  # the bf16 kernels (int4_matmul, int8_matmul, decode_attention) are in it
 
 
-F32_SOURCES = (
+AVX2_SOURCES = (
     _HERE / "matmul_f32.cpp",
     _HERE / "decode_attention_f32.cpp",
     _HERE / "decode_step_f32.cpp",
+    _HERE / "greedy_tokens.cpp",
 )
 KERNEL_SETS = (
     KernelSet(
@@ -79,7 +84,7 @@ KERNEL_SETS = (
             _HERE / "matmul_bf16.cpp",
             _HERE / "decode_attention.cpp",
             _HERE / "decode_step.cpp",
-            *F32_SOURCES,
+            *AVX2_SOURCES,
         ),
         (
             "-mavx2",
@@ -92,7 +97,7 @@ KERNEL_SETS = (
         ),
         bf16=True,
     ),
-    KernelSet("avx2", ("avx2", "fma"), F32_SOURCES, ("-mavx2", "-mfma"), False),
+    KernelSet("avx2", ("avx2", "fma"), AVX2_SOURCES, ("-mavx2", "-mfma"), False),
 )
 CXX_FLAGS = (
     "-O3",

@@ -106,6 +106,9 @@ def test_the_default_configuration_compiles_everything_before_ready(
     assert len(timed) == int(total.group(1)) and "forward" in timed, log[-3000:]
     # on CUDA the decode pass is captured too, once per (rows, KV length) bucket
     assert ("cuda graph" in timed) == (TEST_WORKER_DEVICE == "cuda"), log[-3000:]
+    # greedy steps skip the sampler's graphs where the worker's kernels run
+    greedy_kernel = TEST_WORKER_DEVICE == "cpu" and cpu_kernel_set() is not None
+    assert ("greedy steps sample in one C++ call" in log) == greedy_kernel, log[-3000:]
 
 
 async def mixed_load(address: str) -> list[Result]:

@@ -40,6 +40,7 @@ SUITES = (
     "tests/unit/worker/test_graphs.py",
     "tests/unit/worker/test_saved_graphs.py",
     "tests/unit/model/test_fused_decode.py",
+    "tests/unit/worker/test_greedy_kernel.py",
 )
 ISA_PROBE = """
 from neuron_worker.kernels import cpu_kernel_set
