@@ -230,8 +230,10 @@ def build(directory: Path, kernel_set: KernelSet = KERNEL_SETS[0]) -> Path:
     flags = [*CXX_FLAGS, *kernel_set.isa_flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     sources = [str(s) for s in kernel_set.sources]
     texts = [s.read_text() for s in (*kernel_set.sources, *sorted(_HERE.glob("*.h")))]
+    # By the files' names and texts, not their paths: checkouts of the same sources share a build.
+    names = [s.name for s in kernel_set.sources]
     key = hashlib.sha256(
-        "\n".join([*texts, *sources, torch.__version__, cxx, *flags]).encode()
+        "\n".join([*texts, *names, torch.__version__, cxx, *flags]).encode()
     ).hexdigest()[:16]
     target = directory / f"maskwire_kernels-{kernel_set.name}-{key}.so"
     if target.exists():

@@ -418,6 +418,14 @@ def test_a_second_build_reuses_the_library(tmp_path: Path) -> None:
     stamp = first.stat().st_mtime_ns
     assert kernels.build(directory, probe) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in directory.iterdir()] == [first.name]  # no temporary files left
+    # Another checkout of the same source finds that build; a changed source does not.
+    elsewhere = tmp_path / "checkout" / "probe.cpp"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text(source.read_text())
+    again = kernels.KernelSet("probe", (), (elsewhere,), (), bf16=False)
+    assert kernels.build(directory, again) == first and first.stat().st_mtime_ns == stamp
+    elsewhere.write_text('extern "C" int maskwire_probe() { return 2; }\n')
+    assert kernels.build(directory, again) != first
 
 
 def test_without_a_working_compiler_the_worker_falls_back_to_aten(
