@@ -4,7 +4,7 @@ Runs the harness's `bench_maskwire.py` (8 chat prompts with their JSON schemas, 
 tokens; c1 and c8, unconstrained and constrained) once per variant per round, in the order
 A B, B A, A B, ... so that drifts in the machine's load fall on both alike, and reports per
 figure each round's B / A ratio and their median. Every constrained answer is validated by the
-harness. Writes bench/results/<name>.json.
+harness. Writes bench/results/<name>.json and, where matplotlib is installed, <name>.png.
 
 Usage: python bench/flag_ab.py --b-args="--worker-arg=--no-greedy-kernel" [--a-args=""]
        [--rounds 3] [--name N]
@@ -74,6 +74,35 @@ def main() -> None:
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out["median_b_over_a"], indent=2))
     print(f"wrote {path}")
+    try:
+        plot(out, path.with_suffix(".png"))
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+def plot(out: dict[str, Any], path: Path) -> None:
+    """Each figure's B / A ratio by round (dots) and their median (bar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(FIGURES)
+    fig, ax = plt.subplots(figsize=(1.1 * len(keys) + 2, 4.5))
+    medians = [out["median_b_over_a"][k] for k in keys]
+    ax.bar(range(len(keys)), medians, color="#2a7fbf", alpha=0.6, label="median")
+    for r in out["rounds"]:
+        ax.plot(range(len(keys)), [r["b_over_a"][k] for k in keys], "o", color="#333333", ms=3)
+    ax.axhline(1.0, color="#999999", lw=0.8)
+    ax.set_xticks(
+        range(len(keys)), [FIGURES[k][0] for k in keys], rotation=35, ha="right", fontsize=7
+    )
+    ax.set_ylabel("B / A")
+    fig.suptitle(
+        f"{out['what']}\n{out['cpu'].get('model', '?')}, {len(out['rounds'])} rounds", fontsize=7
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
