@@ -12,9 +12,9 @@
   fp32 activations, the same idea for CPUs where bf16 is emulated and the worker runs fp32.
 * `decode_attention_f32.cpp` (AVX2 + FMA): the decode attention for fp32 caches.
 * `decode_step_f32.cpp` (AVX2 + FMA): the whole decode pass for fp32 models.
-* `greedy_tokens.cpp` (any x86-64): a greedy step's sampling in one call (grammar mask rows, EOS
-  ban, first largest allowed logit), the sampler's greedy graph without its small ops
-  (`neuron_worker.step_device`).
+* `greedy_tokens.cpp` (AVX2): a greedy step's sampling in one call (grammar mask rows, EOS ban,
+  first largest allowed logit), the sampler's greedy graph without its small ops
+  (`neuron_worker.greedy_kernel`).
 
 Each file's header says how; `decode_attention.h` holds what the two attention files share (input
 checks, the positions each query attends, the split into tasks), `matmul.h` what the two matmul

@@ -11,12 +11,12 @@ import torch
 
 from neuron_worker import kernels
 from neuron_worker.backends import create_backend
-from neuron_worker.engine import EngineConfig
 from neuron_worker.greedy_kernel import GreedyKernel
-from neuron_worker.sampler import NO_TOKEN, Sampler
+from neuron_worker.sampler import NO_TOKEN
 from neuron_worker.sampling_rows import PAD_ROW, SamplingRow, SamplingRows
 from neuron_worker.step_device import SampleBatch, StepDevice
-from tests.unit.worker.test_engine import TOK, FakeModel
+from tests.unit.worker.test_engine import TOK
+from tests.unit.worker.test_step_device import device as step_device
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason="the worker's kernels do not run here"
@@ -40,27 +40,8 @@ class Counting(GreedyKernel):
 def device(
     greedy: GreedyKernel | None, *, vocab_size: int = TOK.vocab_size, structured: bool = True
 ) -> StepDevice:
-    sampler = Sampler(
-        vocab_size=vocab_size,
-        logits_size=LOGITS,
-        max_rows=8,
-        device="cpu",
-        structured_outputs=structured,
-        compile=False,
-    )
-    return StepDevice(
-        model=FakeModel(),
-        backend=create_backend("cpu"),
-        sampler=sampler,
-        config=EngineConfig(
-            max_batch=8,
-            max_seq_len=256,
-            batch_buckets=(1, 2, 4, 8),
-            structured_outputs=structured,
-        ),
-        eos_ids=EOS,
-        words=WORDS,
-        greedy=greedy,
+    return step_device(
+        create_backend("cpu"), rows=8, vocab_size=vocab_size, structured=structured, greedy=greedy
     )
 
 

@@ -11,6 +11,7 @@ import torch
 
 from neuron_worker.backends import Backend, create_backend
 from neuron_worker.engine import EngineConfig
+from neuron_worker.greedy_kernel import GreedyKernel
 from neuron_worker.sampler import Sampler
 from neuron_worker.sampling_rows import PAD_ROW, SamplingRows
 from neuron_worker.step_device import SampleBatch, StepDevice
@@ -20,22 +21,39 @@ EOS = TOK.eos_token_ids[0]
 OTHER = 300  # the runner-up of every row
 
 
-def device(backend: Backend, sampler_type: type[Sampler] = Sampler) -> StepDevice:
+def device(
+    backend: Backend,
+    sampler_type: type[Sampler] = Sampler,
+    *,
+    rows: int = 4,
+    vocab_size: int = V,
+    structured: bool = True,
+    greedy: GreedyKernel | None = None,
+) -> StepDevice:
+    """An eager device over the stand-in model, logits 64 columns wider than the vocabulary,
+    batches of up to `rows` (a power of two)."""
     sampler = sampler_type(
-        vocab_size=V,
+        vocab_size=vocab_size,
         logits_size=V + 64,
-        max_rows=4,
+        max_rows=rows,
         device="cpu",
-        structured_outputs=True,
+        structured_outputs=structured,
         compile=False,
     )
+    buckets = tuple(1 << i for i in range(rows.bit_length()))
     return StepDevice(
         model=FakeModel(),
         backend=backend,
         sampler=sampler,
-        config=EngineConfig(max_batch=4, max_seq_len=256, batch_buckets=(1, 2, 4)),
+        config=EngineConfig(
+            max_batch=rows,
+            max_seq_len=256,
+            batch_buckets=buckets,
+            structured_outputs=structured,
+        ),
         eos_ids=tuple(TOK.eos_token_ids),
         words=TOK.words_per_row,
+        greedy=greedy,
     )
 
 
