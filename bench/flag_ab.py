@@ -1,13 +1,18 @@
-"""Two `maskwire up` settings side by side on the peers' workload (`../shared/peers`).
+"""Two `maskwire up` settings (arguments or environment) side by side on the peers' workload
+(`../shared/peers`).
 
 Runs the harness's `bench_maskwire.py` (8 chat prompts with their JSON schemas, greedy, 64 new
 tokens; c1 and c8, unconstrained and constrained) once per variant per round, in the order
-A B, B A, A B, ... so that drifts in the machine's load fall on both alike, and reports per
-figure each round's B / A ratio and their median. Every constrained answer is validated by the
+A B, B A, B A, A B (then again), so that over every 4 rounds each variant goes first as often
+and a steady drift in the machine's load falls on both alike, and reports per figure each round's
+B / A ratio and their median. A fresh `maskwire up` reads 10% apart from the last on these
+hosts, so give it 4 rounds or more (an odd count lets one variant go first more often: it is
+refused); where the setting can be chosen per request, `bench/neighbour.py --versus-body`
+compares on one stack, which is steadier. Every constrained answer is validated by the
 harness. Writes bench/results/<name>.json and, where matplotlib is installed, <name>.png.
 
 Usage: python bench/flag_ab.py --b-args="--worker-arg=--no-greedy-kernel" [--a-args=""]
-       [--rounds 3] [--name N]
+       [--a-env NAME=VALUE] [--b-env NAME=VALUE] [--rounds 4] [--name N]
 """
 
 from __future__ import annotations
@@ -30,12 +35,29 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--a-args", default="", help="variant A's extra `maskwire up` arguments")
-    ap.add_argument("--b-args", required=True, help="variant B's extra `maskwire up` arguments")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--b-args", default="", help="variant B's extra `maskwire up` arguments")
+    for v in "ab":
+        ap.add_argument(
+            f"--{v}-env",
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
+            help=f"an environment variable for variant {v.upper()}'s stack (repeatable)",
+        )
+    ap.add_argument("--rounds", type=int, default=4, help="an even number (module docstring)")
     ap.add_argument("--peers", type=Path, default=ROOT.parent / "shared" / "peers")
     ap.add_argument("--work", default=os.environ.get("PEERS_WORK", "/tmp/maskwire-peers"))
     ap.add_argument("--name", default="flag_ab", help="result file name (without extension)")
     a = ap.parse_args()
+    if a.rounds < 2 or a.rounds % 2:
+        ap.error("--rounds must be even (each variant goes first in half of them)")
+    if (a.a_args, a.a_env) == (a.b_args, a.b_env):
+        ap.error("the variants are the same: give --b-args or --b-env")
+    extra_env: dict[str, dict[str, str]] = {}
+    for v, pairs in (("A", a.a_env), ("B", a.b_env)):
+        if not all("=" in p for p in pairs):
+            ap.error("--a-env / --b-env take NAME=VALUE")
+        extra_env[v] = {name: value for name, _, value in (p.partition("=") for p in pairs)}
 
     env = {**os.environ, "PEERS_WORK": a.work}
     env["MASKWIRE"] = str(ROOT / ".venv" / "bin" / "maskwire")
@@ -44,12 +66,12 @@ def main() -> None:
     variants = {"A": a.a_args, "B": a.b_args}
     rounds: list[dict[str, Any]] = []
     for i in range(a.rounds):
-        order = ("A", "B") if i % 2 == 0 else ("B", "A")
+        order = first_second(i)
         results: dict[str, Any] = {}
         for v in order:
             tag = f"_ab{v}{i}_{int(time.time())}"
             bench = [sys.executable, str(a.peers / "bench_maskwire.py"), "--tag", tag]
-            run([*bench, f"--up-args={variants[v]}"], env, log)
+            run([*bench, f"--up-args={variants[v]}"], {**env, **extra_env[v]}, log)
             summary = json.loads((Path(a.work) / "results" / f"maskwire{tag}.json").read_text())
             results[v] = {
                 **figures(summary["summary"]),
@@ -61,7 +83,8 @@ def main() -> None:
 
     out = {
         "what": "the peers harness's maskwire workload (../shared/peers/bench_maskwire.py), "
-        f"variant B ({a.b_args!r}) over variant A ({a.a_args!r}), alternated A B, B A, ...",
+        f"variant B ({a.b_args!r}, env {extra_env['B']}) over variant A ({a.a_args!r}, env "
+        f"{extra_env['A']}), alternated A B, B A, B A, A B",
         "date": datetime.date.today().isoformat(),
         "cpu": cpu_features(),
         "load_before": os.getloadavg()[0],
@@ -78,6 +101,11 @@ def main() -> None:
         plot(out, path.with_suffix(".png"))
     except ImportError:
         print("matplotlib not installed: no plot")
+
+
+def first_second(i: int) -> tuple[str, str]:
+    """Round i's order (from 0): A B, B A, B A, A B, and again."""
+    return ("A", "B") if i % 4 in (0, 3) else ("B", "A")
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
