@@ -15,7 +15,15 @@ and speculates when the first is at least the second. The grammar's forced token
 either choice: a verification pass carries those that follow a row's drafts, a plain step gets
 the same ones by jump-forward a step later (its measured cost includes those passes). Counting
 them for speculation alone made constrained batches at c8 speculate at 0.92x the tokens/s
-without it. Costs are medians of recent measured step
+without it. What a row's forced tail (the grammar's drafts of the bytes it forces after a
+row's own drafts that close a string: the next key) saves is the step that would carry those
+forced tokens and sample after them: one token's worth, where all the row's drafts are
+accepted; it widens the pass by up to `--forced-draft-tokens`. Where a pass costs about its
+width (fp32 on AVX2, a neighbour taking a core) that costs more than the step, and counted whole
+the tails made the gate decline the copies they follow (c1 constrained 1.06x against no
+speculation; 1.23x with the copies verified alone). So the gate chooses among three (`Verify`):
+the drafts with their tails, the drafts alone (no room for tails), or a plain step.
+Costs are medians of recent measured step
 wall times, for plain steps by batch size and for speculative steps by the tokens of their pass
 (rows + drafts + the grammar's expected forced drafts, rounded up to a power of two: what a pass
 costs is mostly a function of its tokens, flat on a launch-bound device, growing on a
@@ -28,12 +36,21 @@ counter-based random number either way.
 
 from __future__ import annotations
 
+import enum
 import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from neuron_worker.scheduler import next_pow2
+
+
+class Verify(enum.Enum):
+    """What a step verifies (`SpeculationGate.decide`)."""
+
+    TAILS = "drafts and the grammar's forced tails after them"
+    DRAFTS = "drafts alone"
+    NONE = "nothing: a plain step"
 
 
 def expected_tokens(k: int, acceptance: float) -> float:
@@ -77,24 +94,40 @@ class SpeculationGate:
         self.plain = StepCosts(self.window)
         self.speculative = StepCosts(self.window)
 
-    def worth_it(self, rows: int, drafts: Sequence[tuple[int, float, float]]) -> bool:
-        """Whether to verify this step's drafts: `rows` in the batch, and for each row with
-        drafts their number, the row's acceptance estimate and how many tokens the grammar is
-        expected to force after them (they widen the pass; they are no gain, module docstring)."""
+    def decide(self, rows: int, drafts: Sequence[tuple[int, float, float]]) -> Verify:
+        """What to verify this step: `rows` in the batch, and for each row with drafts their
+        number, the row's acceptance estimate and how many tokens the grammar is expected to
+        force after them (its tail, module docstring). A shape not measured yet is tried first:
+        the drafts with their tails, then alone, then a plain step."""
         n = sum(k for k, _, _ in drafts)
         if n == 0:
-            return False
+            return Verify.NONE
         tail = sum(t for _, _, t in drafts)
-        spec = self.speculative.get(next_pow2(rows + n + round(tail)))
+        with_tails = self.speculative.get(next_pow2(rows + n + round(tail)))
+        alone = self.speculative.get(next_pow2(rows + n))
         plain = self.plain.get(rows)
-        if spec is None:
-            return True
+        if tail > 0 and with_tails is None:
+            return Verify.TAILS
+        if alone is None:
+            return Verify.DRAFTS
         if plain is None:
-            return False
+            return Verify.NONE
         gain = sum(expected_tokens(k, a) - 1 for k, a, _ in drafts)
-        worth = (rows + gain) * plain >= rows * spec
+        # Tokens per second of each choice; the tails' step saved counts where every draft
+        # before them is accepted.
+        rates = {}
+        if tail > 0:
+            assert with_tails is not None
+            saved = sum(a**k for k, a, t in drafts if t > 0)
+            rates[Verify.TAILS] = (rows + gain + saved) / with_tails
+        rates[Verify.DRAFTS] = (rows + gain) / alone
+        rates[Verify.NONE] = rows / plain
+        best = max(rates, key=rates.__getitem__)  # ties: the first (more verified)
         self.decisions += 1
-        return not worth if self.decisions % self.probe == 0 else worth
+        if self.decisions % self.probe == 0:
+            others = [c for c in rates if c != best]
+            return others[(self.decisions // self.probe) % len(others)]
+        return best
 
     def record(self, rows: int, drafts: int, seconds: float) -> None:
         """A step of `rows` rows verifying `drafts` drafts (0: a plain step) took `seconds`."""

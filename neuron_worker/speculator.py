@@ -26,7 +26,7 @@ from neuron_worker.grammar_client import RowOutcome
 from neuron_worker.ledger import Ledger
 from neuron_worker.metrics import Metrics
 from neuron_worker.request import Request
-from neuron_worker.speculation_gate import SpeculationGate
+from neuron_worker.speculation_gate import SpeculationGate, Verify
 from neuron_worker.step_device import Sampled
 from neuron_worker.step_rows import Answers, Row
 
@@ -86,6 +86,8 @@ class Speculator:
         self.gate = SpeculationGate() if config.gate else None
         # Moving average of the grammar's drafts after a row's own (`rows`).
         self.forced_tail = config.forced_drafts / 2
+        # This step's rows whose drafts are verified without the grammar's tail after them.
+        self._tailless: set[Request] = set()
 
     @classmethod
     def of(
@@ -108,8 +110,9 @@ class Speculator:
         token budget (`DraftConfig.pass_tokens`; each row's pending token counts), but a copy
         that closes a string of a constrained output (`_brings_tail`) is kept whole and not
         counted: the grammar's forced tail comes with it, and verified without a budget such
-        copies paid at c8 where other drafts did not. Then the gate's decision: all of them, or
-        none."""
+        copies paid at c8 where other drafts did not. Then the gate's decision: all of them
+        (with or without the grammar's forced tails after them), or none."""
+        self._tailless = set()
         spec = self.config
         left = spec.pass_tokens - len(batch) if spec.pass_tokens else None
         drafts: Drafts = {}
@@ -139,7 +142,8 @@ class Speculator:
 
     def _worth_verifying(self, batch: list[Request], drafts: Drafts) -> Drafts:
         """The drafts this step verifies: all of them, or none when the gate finds the wider
-        pass not worth the tokens they are expected to add."""
+        pass not worth the tokens they are expected to add; where it finds the grammar's tails
+        after them not worth their width, all of them without tails (`forced_room`)."""
         if self.gate is None or not drafts:
             return drafts
         rows = []
@@ -149,7 +153,10 @@ class Speculator:
             # after them (the next key), as many as such tails have had so far.
             tail = self.forced_tail if self._brings_tail(r, d) else 0.0
             rows.append((len(d), r.budget.acceptance(), tail))
-        if self.gate.worth_it(len(batch), rows):
+        verify = self.gate.decide(len(batch), rows)
+        if verify == Verify.DRAFTS:
+            self._tailless = set(drafts)
+        if verify != Verify.NONE:
             return drafts
         self.metrics.drafts(declined=sum(len(d) for d in drafts.values()))
         return {}
@@ -178,10 +185,13 @@ class Speculator:
         return not self.overlap and any(r.speculate and r.grammar is not None for r in batch)
 
     def forced_room(self, constrained: list[Request]) -> list[int]:
-        """How many forced drafts the grammar may send each constrained request."""
+        """How many forced drafts the grammar may send each constrained request (none after
+        drafts the gate verifies without their tails)."""
         spec = self.config
         return [
-            max(0, min(spec.forced_drafts, self.ledger.room(r) - 1)) if r.speculate else 0
+            max(0, min(spec.forced_drafts, self.ledger.room(r) - 1))
+            if r.speculate and r not in self._tailless
+            else 0
             for r in constrained
         ]
 

@@ -25,6 +25,7 @@ from neuron_worker.engine import Engine
 from neuron_worker.graphs import Pass
 from neuron_worker.request import Request, Sampling
 from neuron_worker.sampler import sample_tokens
+from neuron_worker.speculation_gate import Verify
 from neuron_worker.step_device import Sampled
 from neuron_worker.step_rows import ForwardBatch, Row
 from tests.unit.worker.test_engine import (
@@ -511,6 +512,34 @@ def test_a_copy_that_closes_a_string_is_not_cut_by_the_pass_budget() -> None:
 
     rows = engine.speculator.rows(reqs, {reqs[0]: plain, reqs[1]: closes}, {})
     assert [row.tokens[1:] for row in rows] == [plain[:2], closes, [], []]
+
+
+@pytest.mark.parametrize("verify", [Verify.TAILS, Verify.DRAFTS, Verify.NONE])
+def test_the_gate_can_verify_a_closing_copy_without_the_grammars_tail(verify: Verify) -> None:
+    """Two constrained rows, one with a copy that closes a string: where the gate verifies
+    drafts without their tails, the grammar gets no room for forced drafts after that row's
+    copy, and the row without drafts keeps its room (forced drafts after its forced tokens);
+    with tails, both have room; declined, the copy is not verified and both have room."""
+    engine, _ = make_engine(overlap=False, limit=30, speculative=token_drafts(4, gate=True))
+    spec = engine.config.speculative
+    assert spec is not None and engine.speculator is not None
+    gate = engine.speculator.gate
+    assert gate is not None
+    gate.decide = lambda rows, drafts: verify  # type: ignore[method-assign]
+    closing = next(t for t in range(TOK.vocab_size) if TOK.token_bytes(t) == b'"')
+    closes = [NORMAL[4], closing]
+    reqs = [make_request(i, constrained=True, max_tokens=30) for i in range(2)]
+    for r, d in zip(reqs, [Scripted(closes), Scripted([])], strict=True):
+        r.drafter = d  # type: ignore[assignment]
+        r.budget = DraftBudget(spec)
+        r.pending = NORMAL[1]
+        r.grammar = object()  # type: ignore[assignment]
+
+    drafts = engine.speculator.plan(reqs)
+    assert drafts == ({} if verify == Verify.NONE else {reqs[0]: closes})
+    room = spec.forced_drafts
+    want = [0, room] if verify == Verify.DRAFTS else [room, room]
+    assert engine.speculator.forced_room(reqs) == want
 
 
 class Counted(Scripted):
