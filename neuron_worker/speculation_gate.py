@@ -23,13 +23,14 @@ width (fp32 on AVX2, a neighbour taking a core) that costs more than the step, a
 the tails made the gate decline the copies they follow (c1 constrained 1.06x against no
 speculation; 1.23x with the copies verified alone). So the gate chooses among three (`Verify`):
 the drafts with their tails, the drafts alone (no room for tails), or a plain step.
-Costs are medians of recent measured step
-wall times, for plain steps by batch size and for speculative steps by the tokens of their pass
-(rows + drafts + the grammar's expected forced drafts, rounded up to a power of two: what a pass
-costs is mostly a function of its tokens, flat on a launch-bound device, growing on a
-compute-bound one; few shapes keep the exploration short). A shape not measured yet is tried (a
-speculative shape first, then the plain one), and every `probe` decisions the other choice is
-taken once, so both estimates follow the load. Greedy output does not depend on the gate
+
+Costs are medians of recent measured step wall times, for plain steps by batch size and for
+speculative steps by the tokens of their pass (rows + drafts + the grammar's expected forced
+drafts, rounded up to a power of two: what a pass costs is mostly a function of its tokens, flat
+on a launch-bound device, growing on a compute-bound one; few shapes keep the exploration short).
+A shape not measured yet is tried (the drafts with their tails, then alone, then the plain
+step), and every `probe` decisions one of the choices not taken is, in turn, so every estimate
+follows the load. Greedy output does not depend on the gate
 (verification is exact), and neither does sampling: a position's token is drawn with the same
 counter-based random number either way.
 """
@@ -81,8 +82,8 @@ class StepCosts:
 @dataclass
 class SpeculationGate:
     """Step-cost model and decision (module docstring). `window`: the measurements per shape
-    whose median is its cost (`StepCosts`). `probe`: every how many decisions the other choice
-    is taken."""
+    whose median is its cost (`StepCosts`). `probe`: every how many decisions a choice not the
+    best is taken."""
 
     window: int = 5
     probe: int = 128
