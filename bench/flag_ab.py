@@ -5,11 +5,13 @@ Runs the harness's `bench_maskwire.py` (8 chat prompts with their JSON schemas, 
 tokens; c1 and c8, unconstrained and constrained) once per variant per round, in the order
 A B, B A, B A, A B (then again), so that over every 4 rounds each variant goes first as often
 and a steady drift in the machine's load falls on both alike, and reports per figure each round's
-B / A ratio and their median. A fresh `maskwire up` reads 10% apart from the last on these
-hosts, so give it 4 rounds or more (an odd count lets one variant go first more often: it is
-refused); where the setting can be chosen per request, `bench/neighbour.py --versus-body`
-compares on one stack, which is steadier. Every constrained answer is validated by the
-harness. Writes bench/results/<name>.json and, where matplotlib is installed, <name>.png.
+B / A ratio and their median. Two fresh stacks of the same code read up to a third apart by round
+on these hosts (c1 and c8 constrained), so give it 4 rounds or more (an odd count lets one
+variant go first more often: it is refused) and read small differences as none; where the
+setting can be chosen per request, `bench/neighbour.py --versus-body` compares on one stack,
+which is steadier. To compare two versions of the code, give one `--b-env
+PYTHONPATH=<other checkout>`. Every constrained answer is validated by the harness. Writes
+bench/results/<name>.json and, where matplotlib is installed, <name>.png.
 
 Usage: python bench/flag_ab.py --b-args="--worker-arg=--no-greedy-kernel" [--a-args=""]
        [--a-env NAME=VALUE] [--b-env NAME=VALUE] [--rounds 4] [--name N]
@@ -71,7 +73,9 @@ def main() -> None:
         for v in order:
             tag = f"_ab{v}{i}_{int(time.time())}"
             bench = [sys.executable, str(a.peers / "bench_maskwire.py"), "--tag", tag]
-            run([*bench, f"--up-args={variants[v]}"], {**env, **extra_env[v]}, log)
+            # Run from the scratch folder: the services start with `python -m`, which puts the
+            # working directory first on the path, ahead of a `PYTHONPATH` variant's checkout.
+            run([*bench, f"--up-args={variants[v]}"], {**env, **extra_env[v]}, log, Path(a.work))
             summary = json.loads((Path(a.work) / "results" / f"maskwire{tag}.json").read_text())
             results[v] = {
                 **figures(summary["summary"]),

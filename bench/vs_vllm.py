@@ -89,9 +89,9 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
     return {key: float(summary[block][field]) for key, (_, block, field) in FIGURES.items()}
 
 
-def run(cmd: list[str], env: dict[str, str], log: Path) -> None:
+def run(cmd: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> None:
     with log.open("ab") as f:
-        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}")
 
