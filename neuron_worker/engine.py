@@ -438,24 +438,24 @@ class Engine:
         spec = self.speculator
         drafts = spec.plan(batch) if spec is not None else {}
         started = time.perf_counter()
-        verified = 0
         if spec is not None and spec.applies(batch, drafts):
-            verified = await self._speculate(batch, drafts)
+            width = await self._speculate(batch, drafts)
         else:
             call = send_step(self.grammar, batch, self.metrics)
             if call is None:
-                await self._decode_plain(batch)
+                width = await self._decode_plain(batch)
             elif not self.config.overlap:
-                await self._decode_serial(batch, call)
+                width = await self._decode_serial(batch, call)
             else:
-                await self._decode_overlapped(batch, call)
+                width = await self._decode_overlapped(batch, call)
         elapsed = time.perf_counter() - started
         self.metrics.step(elapsed, len(batch))
         if spec is not None:
-            spec.record(len(batch), drafts, verified, elapsed)
+            spec.record(len(batch), width, elapsed)
 
-    async def _decode_plain(self, batch: list[Request]) -> None:
-        """No row is constrained: forward the pending tokens and sample, in one device call."""
+    async def _decode_plain(self, batch: list[Request]) -> int:
+        """No row is constrained: forward the pending tokens and sample, in one device call.
+        Returns the tokens forwarded (as every step stage does)."""
         rows = [Row(r, [_pending(r)], r.cached) for r in batch]
         draws: list[Draw | None] = [Draw(r) for r in batch]
         sampled = await self.stage.forward_and_sample(ForwardBatch(rows, "decode"), draws, {})
@@ -463,8 +463,9 @@ class Engine:
             r.cached += 1
             r.pending = None
         self.ledger.accept_draws(draws, sampled)
+        return len(rows)
 
-    async def _decode_overlapped(self, batch: list[Request], call: GrammarCall) -> None:
+    async def _decode_overlapped(self, batch: list[Request], call: GrammarCall) -> int:
         """Forward the pending tokens while the grammar's answers (if any) are computed; then
         forced tokens go through the model in one jump-forward pass whose last position's
         logits replace their row's; then sample."""
@@ -486,8 +487,9 @@ class Engine:
         draws = [None if r.finished else Draw(r) for r in batch]
         if any(d is not None for d in draws):
             await self._sample(draws, logits, answers)
+        return len(rows) + sum(len(row.tokens) for row in ff_rows)
 
-    async def _decode_serial(self, batch: list[Request], call: GrammarCall) -> None:
+    async def _decode_serial(self, batch: list[Request], call: GrammarCall) -> int:
         """The grammar's answers first, then one forward of pending + forced tokens for every
         live row, then sample."""
         answers = await call.answers()
@@ -499,19 +501,19 @@ class Engine:
             if ff is not None:
                 rows.append(Row(r, [pending, *ff], r.cached))
         if not rows:
-            return
+            return 0
         draws: list[Draw | None] = [Draw(row.req) for row in rows]
         sampled = await self.stage.forward_and_sample(ForwardBatch(rows, "decode"), draws, answers)
         for row in rows:
             row.req.cached += len(row.tokens)
         self.ledger.accept_draws(draws, sampled)
+        return sum(len(row.tokens) for row in rows)
 
     async def _speculate(self, batch: list[Request], drafts: Drafts) -> int:
         """A step with drafts (`neuron_worker.speculator`): the grammar checks them first (their
         rejected tail never reaches the device), one forward verifies every kept draft, the
         sampler draws a token at every position but a forced draft's, and each request keeps
-        its drafts up to the first the sampler disagrees with. Returns the number of drafts
-        verified (the drafter's and the grammar's)."""
+        its drafts up to the first the sampler disagrees with. Returns the tokens forwarded."""
         spec = self.speculator
         assert spec is not None
         call = send_step(
@@ -525,7 +527,7 @@ class Engine:
         spec.commit(
             rows, await self.stage.forward_and_sample(ForwardBatch(rows, "verify"), draws, answers)
         )
-        return sum(row.outputs - 1 for row in rows)
+        return sum(len(row.tokens) for row in rows)
 
     async def _sample(self, draws: list[Draw | None], logits: Logits, answers: Answers) -> None:
         """Sample one token per draw and act on it (`Ledger.accept_draws`)."""

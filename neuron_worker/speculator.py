@@ -88,6 +88,8 @@ class Speculator:
         self.forced_tail = config.forced_drafts / 2
         # This step's rows whose drafts are verified without the grammar's tail after them.
         self._tailless: set[Request] = set()
+        # The tokens of this step's pass that are rows' own drafts and the tails after them.
+        self._own_tokens = 0
 
     @classmethod
     def of(
@@ -113,6 +115,7 @@ class Speculator:
         copies paid at c8 where other drafts did not. Then the gate's decision: all of them
         (with or without the grammar's forced tails after them), or none."""
         self._tailless = set()
+        self._own_tokens = 0
         spec = self.config
         left = spec.pass_tokens - len(batch) if spec.pass_tokens else None
         drafts: Drafts = {}
@@ -195,11 +198,12 @@ class Speculator:
             for r in constrained
         ]
 
-    def record(self, rows: int, drafts: Drafts, verified: int, seconds: float) -> None:
-        """The gate learns from the step's wall time. A step without drafts of its own (forced
-        drafts only) is what the gate's "no" costs: it counts as a plain step."""
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        """The gate learns from the step's wall time and the tokens it forwarded. A step
+        without drafts of its own (forced ones only) is what the gate's "no" costs: it counts
+        as a plain step."""
         if self.gate is not None:
-            self.gate.record(rows, verified if drafts else 0, seconds)
+            self.gate.record(rows, width, self._own_tokens, seconds)
 
     # ------------------------------------------------------------------ verification rows
     def rows(self, batch: list[Request], drafts: Drafts, answers: Answers) -> list[Row]:
@@ -234,6 +238,8 @@ class Speculator:
             start, count = a.jump
             jump = (start, max(0, min(count, len(d) - start)))  # drafts cut by the limits
             self.metrics.drafts(kept=len(d))
+            if own:
+                self._own_tokens += len(d)  # with the grammar's tail after them
             r = a.req
             rows.append(Row(r, [*a.prefix, *d], r.cached, 1 + len(d), own_drafts=own, jump=jump))
             r.cached += len(a.prefix)
