@@ -14,33 +14,33 @@ second, for the step at hand,
 and speculates when the first is at least the second. Either step also forwards the grammar's
 forced tokens (jump-forward, and the grammar's drafts after them): they widen both passes and
 are no gain of either choice (they come whatever the gate decides, and need no step of their
-own; counted as the step's tokens they dilute what the drafts add: c1 constrained 0.93x on
-AVX512-BF16). A choice's width is its rows, the forced tokens steps have forwarded lately
-(`forced`), and its drafts and expected tails corrected by what its recent passes forwarded of
-them (`extra`: the grammar cuts drafts and tails). What a row's forced tail (the grammar's drafts of the bytes it forces after a
-row's own drafts that close a string: the next key) saves is the step that would carry those
-forced tokens and sample after them: one token's worth, where all the row's drafts are
-accepted; it widens the pass by up to `--forced-draft-tokens`. Where a pass costs about its
-width (fp32 on AVX2, a neighbour taking a core) that costs more than the step, and counted whole
-the tails made the gate decline the copies they follow (c1 constrained 1.06x against no
-speculation; 1.23x with the copies verified alone). So the gate chooses among three (`Verify`):
-the drafts with their tails, the drafts alone (no room for tails), or a plain step. Where the
-drafts are accepted, the drafts alone leave their tail's tokens to the next step, which forwards
-them by jump-forward: that share of the tails' width (`a^k` of each) is charged to the drafts
-alone too.
+own). A choice's width is its rows, the forced tokens steps have forwarded lately (`forced`),
+and its drafts and expected tails corrected by what its recent passes forwarded of them
+(`extra`: the grammar cuts drafts and tails).
+
+What a row's forced tail (the grammar's drafts of the bytes it forces after a row's own drafts
+that close a string: the next key) saves is the step that would carry those forced tokens and
+sample after them: one token's worth, where all the row's drafts are accepted; it widens the
+pass by up to `--forced-draft-tokens`. Where a pass costs about its width (fp32 on AVX2, a
+neighbour taking a core) that costs more than the step, and counted whole the tails made the
+gate decline the copies they follow (c1 constrained 1.06x against no speculation; 1.23x with
+the copies verified alone). So the gate chooses among three (`Verify`): the drafts with their
+tails, the drafts alone (no room for tails), or a plain step. Where the drafts are accepted, the
+drafts alone leave their tail's tokens to the next step, which forwards them by jump-forward:
+that share of the tails' width (`a^k` of each) is charged to the drafts alone too.
 
 Costs are medians of recent measured step wall times by the tokens the pass forwarded (its
 width), for steps with drafts of their own and without (`PassCosts`); a width not measured is
 read off the line through the measured widths nearest to it, so a width no pass has had yet has
-a cost as soon as two widths have one. Keyed by batch size and by tokens rounded up to a power
-of two instead, the costs misled the gate at c8 on the AVX2 code paths beside a busy process: a
+a cost as soon as two widths have one. Kept by batch size and by tokens rounded up to a power of
+two instead, the costs misled the gate at c8 on the AVX2 code paths beside a busy process: a
 plain step's cost held the forced tokens' width (107 ms against 52 ms for an 8-token pass), and
 the tails' expected widths rounded to a 64-token shape no pass reached, tried at nearly every
-other step (c8 constrained 0.86-0.89x against no speculation). A choice with no estimate yet is tried (the drafts with their tails,
-then alone, then the plain step), and every `probe` decisions one of the choices not taken is, in
-turn, so every estimate follows the load. Greedy output does not depend on the gate
-(verification is exact), and neither does sampling: a position's token is drawn with the same
-counter-based random number either way.
+other step (c8 constrained 0.86-0.89x against no speculation). A choice with no estimate yet is
+tried (the drafts with their tails, then alone, then the plain step), and every `probe`
+decisions one of the choices not taken is, in turn, so every estimate follows the load. Greedy
+output does not depend on the gate (verification is exact), and neither does sampling: a
+position's token is drawn with the same counter-based random number either way.
 """
 
 from __future__ import annotations
