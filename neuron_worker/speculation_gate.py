@@ -132,11 +132,13 @@ class SpeculationGate:
     probe: int = 128
     decisions: int = 0
     # The grammar's forced tokens per step, whatever the choice (jump-forward tokens and forced
-    # drafts after them), and per choice the tokens its drafts and tails forwarded beyond those
-    # it was chosen with (the grammar cuts drafts and tails): moving averages, as forced tokens
-    # come and go with the outputs.
+    # drafts after them), and per choice that verifies drafts the tokens those forwarded beyond
+    # what it was chosen with (the grammar cuts drafts and tails): moving averages, as forced
+    # tokens come and go with the outputs.
     forced: float = 0.0
-    extra: dict[Verify, float] = field(default_factory=lambda: dict.fromkeys(Verify, 0.0))
+    extra: dict[Verify, float] = field(
+        default_factory=lambda: {Verify.TAILS: 0.0, Verify.DRAFTS: 0.0}
+    )
     plain: PassCosts = field(init=False)
     speculative: PassCosts = field(init=False)
     # The last decision and the drafts and tails it expected, until the step is recorded.
@@ -167,7 +169,7 @@ class SpeculationGate:
         tail = added[Verify.TAILS] > added[Verify.DRAFTS]
         cost = {
             c: (self.plain if c == Verify.NONE else self.speculative).get(
-                round(rows + self.forced + a + self.extra[c])
+                round(rows + self.forced + a + self.extra.get(c, 0.0))
             )
             for c, a in added.items()
         }
