@@ -84,24 +84,41 @@ inline void group_dots(const uint8_t* wg, const float* xg, int64_t k, __m256 (&d
 // inputs). Each group's sum and the order they are added in stay the same for every U, so the
 // result does too. Measured on 2 AVX2 cores, SmolLM2's 120 projections: 1 row 5.1 -> 4.7 ms,
 // 3-4 rows -17%, 5 rows -5%; from 6 rows on the rows' own chains suffice.
+// From 7 rows the M dot products alone take half of AVX2's 16 vector registers, and the rows'
+// running sums beside them spilled in every group's inner loop: they live in `out` instead (a
+// load and a store per row and group, the same arithmetic). Measured on a 2-core AVX2-only EPYC:
+// the 120 projections at 7 / 8 rows 18.4 / 20.1 -> 12.7 / 14.5 ms, the Q8_0 head 4.4 / 4.8 ->
+// 3.0 / 3.5 ms (with them in registers at 2-6 rows as well: 0-10% slower there).
 template <class F, int M>
 void blocks_for_rows(const float* x, const float* xsum, int64_t k, const uint8_t* w,
                      const float* params, int64_t nb_begin, int64_t nb_end, float* out,
                      int64_t n) {
   constexpr int U = M == 1 ? 6 : M == 2 ? 3 : M <= 6 ? 2 : 1;
+  constexpr bool kSumsInOut = M >= 7;
   const int64_t groups = k / kGroup;
   const int64_t group_bytes = F::kChunks * kBlock;
   for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    float* const sums = out + nb * kBlock;  // row m's at sums + m * n
+    __m256 acc[kSumsInOut ? 1 : M];
+    for (int m = 0; m < M; ++m) {
+      if constexpr (kSumsInOut)
+        _mm256_storeu_ps(sums + m * n, _mm256_setzero_ps());
+      else
+        acc[m] = _mm256_setzero_ps();
+    }
     const auto accumulate = [&](int64_t g, const __m256* dot) {
       const float* p = params + (nb * groups + g) * F::kParams * kBlock;
       const __m256 scale = _mm256_loadu_ps(p);
       for (int m = 0; m < M; ++m) {
-        acc[m] = _mm256_fmadd_ps(dot[m], scale, acc[m]);
+        __m256 a = kSumsInOut ? _mm256_loadu_ps(sums + m * n) : acc[m];
+        a = _mm256_fmadd_ps(dot[m], scale, a);
         if constexpr (F::kParams == 2)
-          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * groups + g]),
-                                   _mm256_loadu_ps(p + kBlock), acc[m]);
+          a = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * groups + g]), _mm256_loadu_ps(p + kBlock),
+                              a);
+        if constexpr (kSumsInOut)
+          _mm256_storeu_ps(sums + m * n, a);
+        else
+          acc[m] = a;
       }
     };
     int64_t g = 0;
@@ -115,7 +132,8 @@ void blocks_for_rows(const float* x, const float* xsum, int64_t k, const uint8_t
       group_dots<F, M, 1>(w + (nb * groups + g) * group_bytes, x + g * kGroup, k, dot);
       accumulate(g, dot[0]);
     }
-    for (int m = 0; m < M; ++m) _mm256_storeu_ps(out + m * n + nb * kBlock, acc[m]);
+    if constexpr (!kSumsInOut)
+      for (int m = 0; m < M; ++m) _mm256_storeu_ps(sums + m * n, acc[m]);
   }
 }
 
