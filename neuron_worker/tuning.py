@@ -141,10 +141,11 @@ def resolve(
         raise ConfigError(f"--quantize {quantize} needs bfloat16 or float32 activations")
     if quantize == "int4a8":
         kernel_set = kernels.cpu_kernel_set()
-        if resolved_dtype != torch.bfloat16 or kernel_set is None or not kernel_set.bf16:
+        runs = kernel_set is not None and (kernel_set.bf16 or resolved_dtype == torch.float32)
+        if not runs:
             raise ConfigError(
-                "--quantize int4a8 needs bfloat16 and a CPU with AVX512-BF16 and AVX512-VNNI "
-                "(the worker's 8-bit-activation kernel)"
+                "--quantize int4a8 needs the worker's 8-bit-activation kernels: bfloat16 on a CPU "
+                "with AVX512-BF16 and AVX512-VNNI, or float32 on one with AVX2"
             )
     cache: Path | None = None
     if compiled and compile_cache != "":

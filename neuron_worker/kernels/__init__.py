@@ -9,7 +9,8 @@
   kernels above (`neuron_worker.model.fused_decode`); `decode_step.h` holds what it shares with
   `decode_step_f32.cpp` (below), `vector_math.h` the exp the kernels share.
 * `matmul_f32.cpp` (AVX2 + FMA): 4- and 8-bit weights (llama.cpp's Q4_1 and Q8_0 blocks) times
-  fp32 activations, the same idea for CPUs where bf16 is emulated and the worker runs fp32.
+  fp32 activations, the same idea for CPUs where bf16 is emulated and the worker runs fp32; and
+  the 4-bit weights times 8-bit activations (`int4_matmul_q8_f32`, integer products).
 * `decode_attention_f32.cpp` (AVX2 + FMA): the decode attention for fp32 caches.
 * `decode_step_f32.cpp` (AVX2 + FMA): the whole decode pass for fp32 models.
 * `greedy_tokens.cpp` (AVX2): a greedy step's sampling in one call (grammar mask rows, EOS ban,
@@ -257,7 +258,7 @@ def build(directory: Path, kernel_set: KernelSet = KERNEL_SETS[0]) -> Path:
 
 
 def _register_fake(kernel_set: KernelSet) -> None:
-    for op in ("int4_matmul_f32", "int8_matmul_f32"):
+    for op in ("int4_matmul_f32", "int8_matmul_f32", "int4_matmul_q8_f32"):
 
         @torch.library.register_fake(f"maskwire_kernels::{op}")
         def _matmul_f32_shape(x: Tensor, w: Tensor, params: Tensor) -> Tensor:
@@ -341,6 +342,23 @@ def pack_int8_f32(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     return packed.contiguous(), scales.contiguous()
 
 
+def pack_int4_q8_f32(q: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Tensor]:
+    """A Q4_1 weight (as `pack_int4` takes it) in the layout of `matmul_f32.cpp`'s 8-bit-activation
+    kernel: packed nibbles [N/8, K/32, 4, 32] (byte 4c + e of chunk t: channel c's inputs 8t + e
+    and 8t + 4 + e) and fp32 scales and zeros [N/8, K/32, 2, 8] for w = scale * (q - 8) + zero."""
+    n, k = q.shape
+    if n % BLOCK_F32 or k % GROUP:
+        raise ValueError(f"a [{n}, {k}] weight does not fit blocks of {BLOCK_F32} x {GROUP}")
+    # [block, channel, group, chunk, half, input] -> [block, group, chunk, half, channel, input]
+    halves = q.reshape(n // BLOCK_F32, BLOCK_F32, k // GROUP, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
+    packed = (halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)).reshape(
+        n // BLOCK_F32, k // GROUP, 4, 32
+    )
+    per_group = torch.stack([scale.float(), low.float() + 8 * scale.float()])  # [2, N, K/32]
+    scale_zero = per_group.reshape(2, n // BLOCK_F32, BLOCK_F32, k // GROUP).permute(1, 3, 0, 2)
+    return packed.contiguous(), scale_zero.contiguous()
+
+
 def int4_matmul(x: Tensor, packed: Tensor, scale_zero: Tensor) -> Tensor:
     """`x @ W^T` for bf16 x [rows, K] and a `pack_int4` weight; bf16 [rows, N]."""
     return torch.ops.maskwire_kernels.int4_matmul(x, packed, scale_zero)
@@ -360,6 +378,12 @@ def int8_matmul(x: Tensor, packed: Tensor, scale: Tensor) -> Tensor:
 def int4_matmul_f32(x: Tensor, packed: Tensor, scale_low: Tensor) -> Tensor:
     """`x @ W^T` for fp32 x [rows, K] and a `pack_int4_f32` weight; fp32 [rows, N]."""
     return torch.ops.maskwire_kernels.int4_matmul_f32(x, packed, scale_low)
+
+
+def int4_matmul_q8_f32(x: Tensor, packed: Tensor, scale_zero: Tensor) -> Tensor:
+    """`x @ W^T` for fp32 x [rows, K] (each row's inputs quantized per group of 32 to int8, as
+    llama.cpp's Q8) and a `pack_int4_q8_f32` weight; fp32 [rows, N]."""
+    return torch.ops.maskwire_kernels.int4_matmul_q8_f32(x, packed, scale_zero)
 
 
 def int8_matmul_f32(x: Tensor, packed: Tensor, scale: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ struct F32 {
   static constexpr int64_t kLanes = 8;
   static constexpr const char* kInt4 = "maskwire_kernels::int4_matmul_f32";
   static constexpr const char* kInt8 = "maskwire_kernels::int8_matmul_f32";
-  static constexpr const char* kInt4A8 = nullptr;
+  static constexpr const char* kInt4A8 = "maskwire_kernels::int4_matmul_q8_f32";
   static constexpr const char* kAttention = "maskwire_kernels::decode_attention_f32";
 
   // `model.llama.RMSNorm` in fp32: weight * (x * rsqrt(mean(x^2) + eps)).

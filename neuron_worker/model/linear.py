@@ -32,9 +32,9 @@ fp32 activations on AVX2 (where bf16 is emulated and the worker runs fp32: the 4
 then the checkpoint's exactly and the arithmetic fp32, only the order of the sums differs from the
 dense path). Elsewhere aten's, which dequantizes per block of 4 rows. int4a8 is the same Q4_1
 weights times 8-bit activations (each row's inputs quantized per group of 32, as llama.cpp does),
-through the worker's VNNI kernel: half the multiplies of the bf16 path, for passes where those
-bound the time (8 rows), at the cost of rounding the activations (~1% of a projection's output);
-a forced choice only (`--quantize int4a8`), never `kernel_choice`'s.
+through the worker's VNNI kernel (bf16) or its AVX2 one (fp32, `vpmaddubsw`): integer products,
+fewer instructions per weight, at the cost of rounding the activations (~1% of a projection's
+output); a forced choice only (`--quantize int4a8`), never `kernel_choice`'s.
 """
 
 from __future__ import annotations
@@ -192,6 +192,8 @@ def _quantized_form(
         int4 = exact if isinstance(exact, Int4Weight) else Int4Weight.from_float(weight)
         if kernel == "own-bf16":
             return kernels.pack_int4(int4.q, int4.scale, int4.low)
+        if kernel == "own-f32" and quantize == "int4a8":
+            return kernels.pack_int4_q8_f32(int4.q, int4.scale, int4.low)
         if kernel == "own-f32":
             return kernels.pack_int4_f32(int4.q, int4.scale, int4.low)
         return _aten_int4(int4, weight.dtype)
@@ -240,8 +242,8 @@ class ServingLinear(nn.Module):
             handle = torch.tensor(len(_PACKED) - 1)
         self.register_buffer("handle", handle, persistent=False)
         self.kernel = kernel_for(weight, quantize) if quantize != "none" else None
-        if quantize == "int4a8" and self.kernel != "own-bf16":
-            raise ValueError("int4a8 runs the worker's AVX512-BF16 + VNNI kernel only")
+        if quantize == "int4a8" and self.kernel not in ("own-bf16", "own-f32"):
+            raise ValueError("int4a8 runs the worker's own kernels only (AVX512-VNNI or AVX2)")
         if self.kernel is not None:
             packed, scales = _quantized_form(weight, quantize, self.kernel, exact)
             self.register_buffer("q_weight", packed, persistent=False)
@@ -291,6 +293,8 @@ def _quantized_matmul(
         return kernels.int8_matmul(x, packed, scales)
     if kernel == "own-f32" and scheme == "int4":
         return kernels.int4_matmul_f32(x, packed, scales)
+    if kernel == "own-f32" and scheme == "int4a8":
+        return kernels.int4_matmul_q8_f32(x, packed, scales)
     if kernel == "own-f32":
         return kernels.int8_matmul_f32(x, packed, scales)
     if scheme == "int4":

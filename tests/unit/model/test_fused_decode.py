@@ -60,8 +60,8 @@ def a_pass(model: Transformer) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize(("dtype", "tolerance"), DTYPES)
 @pytest.mark.parametrize(
     ("quantize", "changes"),
-    [("int4", {}), ("int8", {}), ("none", {}), ("int4", {"qkv_bias": True})],
-    ids=["int4", "int8", "dense", "int4-qkv-bias"],
+    [("int4", {}), ("int8", {}), ("none", {}), ("int4", {"qkv_bias": True}), ("int4a8", {})],
+    ids=["int4", "int8", "dense", "int4-qkv-bias", "int4a8"],
 )
 def test_a_fused_pass_is_the_models_step_and_writes_the_same_cache(
     dtype: torch.dtype, tolerance: float, quantize: str, changes: dict[str, object]

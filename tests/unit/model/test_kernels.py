@@ -161,6 +161,31 @@ def test_the_fp32_kernel_multiplies_by_q4_1_weights_in_fp32(rows: int, n: int, k
     assert float(err.max()) <= 4 * float(dense_err.max()) + 1e-6
 
 
+@needs_f32_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 8, 9, 17])
+@pytest.mark.parametrize(("n", "k"), [(8, 32), (960, 576), (64, 1536)])
+def test_the_avx2_q8_activation_kernel_multiplies_quantized_activations_by_q4_1_weights(
+    rows: int, n: int, k: int
+) -> None:
+    """`int4_matmul_q8_f32`: scale * (q - 8) times the row's 8-bit activations (exact int32
+    sums), plus the zero (low + 8 scale) times the exact input sums, in fp32; within an
+    activation quantization step of the fp32 kernel."""
+    w = weight(n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
+    got = kernels.int4_matmul_q8_f32(x, *kernels.pack_int4_q8_f32(w.q, w.scale, w.low))
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    groups = k // 32
+    centred = w.q.double().reshape(n, groups, 32) - 8
+    scaled_q = (centred * w.scale.double()[..., None]).reshape(n, k)
+    zero = (w.low.double() + 8 * w.scale.double()).repeat_interleave(32, dim=1)
+    want = q8_activations(x) @ scaled_q.t() + x.double() @ zero.t()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    fp32 = kernels.int4_matmul_f32(x, *kernels.pack_int4_f32(w.q, w.scale, w.low)).double()
+    assert 0 < float((got.double() - fp32).norm() / fp32.norm()) < 0.02
+    with pytest.raises(RuntimeError, match=r"w: contiguous uint8"):  # the fp32 kernel's layout
+        kernels.int4_matmul_q8_f32(x, *kernels.pack_int4_f32(w.q, w.scale, w.low))
+
+
 # (pack, matmul) per activation dtype and scheme
 KERNELS = {
     ("fp32", "int4"): (lambda w: kernels.pack_int4_f32(*_split(Int4Weight.from_float(w))),
@@ -173,6 +198,8 @@ KERNELS = {
                        kernels.int8_matmul),
     ("bf16", "int4_q8"): (lambda w: kernels.pack_int4(*_split(Int4Weight.from_float(w))),
                           kernels.int4_matmul_q8),
+    ("fp32", "int4_q8"): (lambda w: kernels.pack_int4_q8_f32(*_split(Int4Weight.from_float(w))),
+                          kernels.int4_matmul_q8_f32),
 }  # fmt: skip
 
 

@@ -112,8 +112,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(scheme: str, dtype: tor
 @pytest.mark.skipif(not kernels.bf16_available(), reason="no AVX512-BF16 + VNNI kernels here")
 def test_int4a8_layers_take_the_q4_1_weights_times_8_bit_activations() -> None:
     """The same Q4_1 weights as int4 with each row's activations rounded to 8 bits: close to the
-    bf16-activation path but not it, one row's result independent of the pass, and refused where
-    the kernel cannot run it."""
+    bf16-activation path but not it, one row's result independent of the pass."""
     w = weight().bfloat16()
     layer = ServingLinear(w, None, quantize="int4a8")
     x = torch.randn(40, 1, 64).bfloat16()
@@ -122,8 +121,24 @@ def test_int4a8_layers_take_the_q4_1_weights_times_8_bit_activations() -> None:
     assert 0 < float((got - bf16).norm() / bf16.norm()) < 0.02
     for n in (1, 3, 8, 9, 33):
         assert torch.equal(project(layer, x[:n], quantized=True).float(), got[:n]), n
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no AVX2 kernels here")
+def test_fp32_int4a8_layers_take_the_avx2_8_bit_activation_kernel() -> None:
+    """fp32 layers run int4a8 through the AVX2 kernel: the Q4_1 weights as int4 takes them, the
+    activations rounded to 8 bits (close to the fp32 path, not it), a row's result independent
+    of the pass; where no kernel of the worker's runs the layer, it is refused."""
+    w = weight()
+    layer = ServingLinear(w, None, quantize="int4a8")
+    assert layer.kernel == "own-f32"
+    x = torch.randn(40, 1, 64)
+    got = project(layer, x, quantized=True)
+    fp32 = project(ServingLinear(w, None, quantize="int4"), x, quantized=True)
+    assert 0 < float((got - fp32).norm() / fp32.norm()) < 0.02
+    for n in (1, 3, 7, 8, 9, 33):
+        assert torch.equal(project(layer, x[:n], quantized=True), got[:n]), n
     with pytest.raises(ValueError, match="int4a8"):
-        ServingLinear(w.float(), None, quantize="int4a8")
+        ServingLinear(w.double(), None, quantize="int4a8")
 
 
 def test_aten_int4_runs_in_a_compiled_graph_of_many_rows(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,16 +59,19 @@ def test_without_native_bf16_the_default_is_fp32_with_the_avx2_kernels(
     assert (t.dtype, t.compile, t.quantize) == (torch.float32, True, "none")
 
 
-def test_int4a8_needs_bf16_and_the_vnni_kernels(
+def test_int4a8_needs_the_vnni_kernels_for_bf16_or_the_avx2_ones_for_fp32(
     bf16_cpu: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(kernels, "cpu_kernel_set", lambda: kernels.KERNEL_SETS[0])
     assert settings(quantize="int4a8").quantize == "int4a8"
-    with pytest.raises(ConfigError, match="int4a8 needs bfloat16"):
-        settings(quantize="int4a8", dtype="float32")
+    assert settings(quantize="int4a8", dtype="float32").quantize == "int4a8"
     monkeypatch.setattr(kernels, "cpu_kernel_set", lambda: kernels.KERNEL_SETS[-1])  # AVX2
     with pytest.raises(ConfigError, match="AVX512-VNNI"):
-        settings(quantize="int4a8")
+        settings(quantize="int4a8")  # bf16 here: no VNNI kernel
+    assert settings(quantize="int4a8", dtype="float32").quantize == "int4a8"
+    monkeypatch.setattr(kernels, "cpu_kernel_set", lambda: None)
+    with pytest.raises(ConfigError, match="8-bit-activation kernels"):
+        settings(quantize="int4a8", dtype="float32")
 
 
 def test_timed_kernels_only_for_a_q4_1_checkpoint(bf16_cpu: None, tmp_path: Path) -> None:
