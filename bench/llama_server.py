@@ -37,7 +37,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from vs_vllm import FIGURES, RESULTS, ROOT, cpu_features, figures
+from vs_vllm import FIGURES, RESULTS, ROOT, cpu_features, figures, with_latency
 
 from maskwire.tokenizer import EMBEDDED_NAME, embedded_model_path
 
@@ -149,7 +149,7 @@ def run_llama_server_workload(
     harness = load_harness(peers)
     args = server_args(threads, parallel)
     with llama_server(binary, args, log) as (url, ready_s):
-        res: dict[str, Any] = asyncio.run(harness.run(url))
+        res: dict[str, Any] = with_latency(asyncio.run(harness.run(url)))
     res["engine"] = "llama-server"
     res["summary"]["ready_s"] = ready_s
     res["server_args"] = args
