@@ -167,9 +167,11 @@ class SpeculationGate:
         added: dict[Verify, float],
     ) -> Verify:
         tail = added[Verify.TAILS] > added[Verify.DRAFTS]
+        # A pass forwards at least a token per row, whatever the averages say (a cost read off
+        # the line below the narrowest measured width can reach 0 there).
         cost = {
             c: (self.plain if c == Verify.NONE else self.speculative).get(
-                round(rows + self.forced + a + self.extra.get(c, 0.0))
+                max(rows, round(rows + self.forced + a + self.extra.get(c, 0.0)))
             )
             for c, a in added.items()
         }
@@ -204,7 +206,9 @@ class SpeculationGate:
         and the grammar's tails after them (0: a plain step, the forced tokens only), took
         `seconds`."""
         (self.speculative if own else self.plain).add(width, seconds)
-        self.forced += 0.2 * (width - rows - own - self.forced)
+        # Rows dropped after the grammar's answer (finished, aborted) forward nothing: no
+        # negative forced tokens.
+        self.forced += 0.2 * (max(0, width - rows - own) - self.forced)
         choice, expected = self._chosen or (Verify.NONE, 0.0)  # no drafts: no decision
         self._chosen = None
         if choice != Verify.NONE:

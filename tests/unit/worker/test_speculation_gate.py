@@ -188,3 +188,18 @@ def test_the_drafts_alone_defer_the_width_of_tails_they_would_have_reached() -> 
     assert gate.decide(8, tails) == Verify.TAILS
     never = [(4, 0.0, 8), (4, 0.0, 8)]  # drafts never accepted reach no tail: nothing deferred
     assert gate.decide(8, never) == Verify.NONE  # 8 tokens in 10 ms, 12 ms or 18 ms
+
+
+def test_rows_dropped_before_the_forward_do_not_make_a_pass_free() -> None:
+    """A step whose rows ended after the grammar's answer forwards fewer tokens than its rows;
+    such steps neither count as negative forced tokens nor make a choice's width fall below its
+    rows, where a cost read off the line through wider widths can be 0 (it divided by zero)."""
+    g = SpeculationGate()
+    g.record(2, 2, 0, 0.010)
+    g.record(2, 4, 0, 0.030)  # the line through these two reaches 0 s at width 1
+    g.record(2, 5, 3, 0.040)
+    g.record(2, 7, 5, 0.050)
+    for _ in range(20):
+        g.record(2, 1, 0, 0.008)  # one of the two rows dropped: one token forwarded
+    assert 0.0 <= g.forced < 0.01  # decays to none, never below
+    assert g.decide(1, [(2, 0.5, 0.0)]) in set(Verify)
