@@ -64,7 +64,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         "fastest of int4 (exact), int8 and dense bf16 as timed at start (cached in the compile "
         "cache), else none; int4, int8, none: that path, untimed (int4 and int8 on other "
         "checkpoints round the weights); int4a8: the Q4_1 weights times 8-bit activations "
-        "(AVX512-VNNI; rounds the activations, never chosen by auto)",
+        "(bf16 with AVX512-VNNI, or fp32 with AVX2; rounds the activations, never chosen by auto)",
     )
     g.add_argument(
         "--tensor-parallel-size",
