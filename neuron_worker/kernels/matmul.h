@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace maskwire {
 
@@ -17,6 +18,15 @@ constexpr int64_t kMaxRows = 8;  // rows per pass over the weights
 // Weights a tile's row passes share: the first pass reads them from memory, the next ones find
 // them in the core's cache (L2 on every x86 core this runs on holds it with the rows' inputs).
 constexpr int64_t kTileBytes = 64 * 1024;
+
+// A pass's rows quantized per group of 32 inputs to int8 with one fp32 scale each (llama.cpp's
+// Q8 activations), as the 8-bit-activation kernels take them.
+struct RowsQ8 {
+  std::vector<int8_t> q;      // [rows, k], each 4 inputs in the order the kernel's weights take
+  std::vector<float> scale;   // [rows, k / 32]
+  std::vector<float> sum;     // [rows, k / 32]: sums of the exact inputs
+  std::vector<int32_t> qsum;  // [rows, k / 32]: sums of the int8 values
+};
 
 // `call(std::integral_constant<int, M>{})` for M == m (1 <= m <= kMaxRows).
 template <int M = 1, class Call>

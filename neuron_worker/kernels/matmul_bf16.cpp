@@ -219,12 +219,7 @@ at::Tensor matmul_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // nibble, high nibble): inputs (4j + i % 2, 4j + 2 + i % 2) of channel i / 2, so a 32-bit lane
 // holds channel c's inputs in the order 4j, 4j + 2, 4j + 1, 4j + 3; the quantized activations are
 // stored in that order.
-struct RowsQ8 {
-  std::vector<int8_t> q;  // [rows, k], each 4 inputs in the weights' lane order
-  std::vector<float> scale;  // [rows, k / 32]
-  std::vector<float> sum;    // [rows, k / 32]: sums of the exact inputs
-  std::vector<int32_t> qsum;  // [rows, k / 32]: sums of the int8 values
-};
+using maskwire::RowsQ8;
 
 RowsQ8 quantize_rows(const uint16_t* x, int64_t rows, int64_t k) {
   const int64_t groups = k / kGroup;

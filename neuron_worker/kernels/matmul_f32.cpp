@@ -197,12 +197,7 @@ at::Tensor matmul_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 // of chunk t holds channel c's input 8t + e in its low nibble and 8t + 4 + e in its high one, so
 // a 32-bit lane of either nibble half is 4 consecutive inputs of one channel, against 4
 // consecutive int8 activations broadcast. Then per block and group 8 scales and 8 zeros (fp32).
-struct RowsQ8 {
-  std::vector<int8_t> q;      // [rows, k]
-  std::vector<float> scale;   // [rows, k / 32]
-  std::vector<float> sum;     // [rows, k / 32]: sums of the exact inputs
-  std::vector<int32_t> qsum;  // [rows, k / 32]: sums of the int8 values
-};
+using maskwire::RowsQ8;
 
 inline float hmax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
