@@ -321,11 +321,13 @@ class WorkerStream:
         """OpenAI's usage: the prompt once, the completion tokens of every choice summed."""
         finals = list(self.finals.values())
         prompt = finals[0].usage.prompt_tokens if finals else 0
+        cached = finals[0].usage.cached_prompt_tokens if finals else 0
         completion = sum(f.usage.completion_tokens for f in finals)
         return schemas.Usage(
             prompt_tokens=prompt,
             completion_tokens=completion,
             total_tokens=prompt + completion,
+            prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=cached),
         )
 
 

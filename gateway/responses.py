@@ -454,6 +454,9 @@ class _Run:
         u = stream.usage()
         return rs.ResponseUsage(
             input_tokens=u.prompt_tokens,
+            input_tokens_details=rs.InputTokensDetails(
+                cached_tokens=u.prompt_tokens_details.cached_tokens
+            ),
             output_tokens=u.completion_tokens,
             total_tokens=u.total_tokens,
             output_tokens_details=rs.OutputTokensDetails(reasoning_tokens=output.reasoning_tokens),

@@ -83,10 +83,18 @@ class CompletionTokensDetails(BaseModel):
     )
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(
+        default_factory=PromptTokensDetails,
+        description="`cached_tokens`: prompt tokens the worker's prefix cache held already.",
+    )
     completion_tokens_details: CompletionTokensDetails | None = Field(
         default=None,
         description="Set for models that think (their template has a thinking section).",

@@ -175,6 +175,14 @@ def _batch_flags(p: argparse.ArgumentParser) -> None:
         help="padded tokens in one prefill batch (admission budget)",
     )
     g.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=ENGINE.prefix_cache,
+        help="a prompt that starts like one whose K/V a KV slot still holds (a shared system "
+        "prompt or tool list, a repeated request, an earlier turn) computes only its new tokens "
+        "(default on)",
+    )
+    g.add_argument(
         "--admit-window-ms",
         type=float,
         default=ENGINE.admit_window_s * 1e3,

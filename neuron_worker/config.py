@@ -232,6 +232,7 @@ def _engine_config(args: argparse.Namespace, *, overlap: bool, speculative: str)
         # are dynamic.
         bucketed=args.device == "xla",
         structured_outputs=args.structured_outputs,
+        prefix_cache=args.prefix_cache,
         overlap=overlap,
         jump_forward=args.jump_forward,
         fused_decode=args.fused_decode,

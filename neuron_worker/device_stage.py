@@ -109,7 +109,7 @@ class DeviceStage:
         index = list(range(len(rows)))
         copies: list[tuple[int, int, int]] = []
         for row, leader in shared:
-            length = runner.shape(1, 1, len(row.tokens))[2]
+            length = runner.shape(1, 1, row.start + len(row.tokens))[2]
             copies.append((leader.req.slot, row.req.slot, length))
             index.append(position[id(leader)])
         total = runner.shape(len(index), 1, 1)[0]

@@ -84,6 +84,9 @@ class Engine:
             batch_buckets=config.batch_buckets,
             seq_buckets=config.seq_buckets,
             max_prefill_tokens=config.max_prefill_tokens,
+            prefix_cache=config.prefix_cache,
+            # A static-shape backend would trace a graph for each copy between slots.
+            prefix_copies=not config.bucketed,
         )
         self.requests: dict[str, Request] = {}  # by request id (an n > 1 call's choices: `ID/i`)
         # Live Generate calls by the call's id: its one request, or every choice of an n > 1
@@ -393,14 +396,22 @@ class Engine:
         # The grammar's forced prefix (`{"name": "` of a JSON schema) is output already: stream it
         # now rather than after the prefill pass, the longest wait of a request's first token.
         self._flush_outputs()
-        logits = await self.stage.forward(ForwardBatch(rows, "prefill"))
-        for row in rows:
-            row.req.cached = len(row.tokens)
+        # Reused prefixes held by another slot are copied first, in admission order (a slot
+        # copied from may be the destination of a later copy).
+        copies = [
+            (r.req.reuse.source, r.req.slot, r.start) for r in rows if r.req.reuse.source >= 0
+        ]
+        logits = await self.stage.forward(ForwardBatch(rows, "prefill", copies))
+        reused = sum(row.start for row in rows)
+        prompts = sum(len(row.req.prompt) for row in rows)
+        self.metrics.prompt_tokens(computed=prompts - reused, reused=reused)
         if shared:
             logits = await self.stage.share(logits, rows, shared)
-            for row, _ in shared:
-                row.req.cached = len(row.tokens)
             rows += [row for row, _ in shared]
+        for row in rows:
+            row.req.cached = row.start + len(row.tokens)
+            row.req.cached_prompt = row.start
+            self.scheduler.prefixes.hold(row.req.slot, row.req.prompt)
         await self._sample([Draw(row.req) for row in rows], logits, answers)
         log.debug(
             "prefill of %d requests took %.1f ms", len(rows), 1e3 * (time.perf_counter() - started)
@@ -413,20 +424,22 @@ class Engine:
         n > 1: the first choice of a call prefills; the others, (follower, leader) in the
         second list, copy its K/V and logits."""
         rows: list[Row] = []
-        leaders: dict[str, Row] = {}
+        leaders: dict[str, tuple[Row, list[int]]] = {}  # by call: its row and prompt + forced
         shared: list[tuple[Row, Row]] = []
         for req in reqs:
             ff = self.ledger.apply_answer(req, answers.get(req))
             if ff is None:
                 continue
-            row = Row(req, req.prompt + ff, 0)
+            tokens = req.prompt + ff
             leader = leaders.get(req.group) if req.group else None
-            if leader is not None and leader.tokens == row.tokens:
-                shared.append((row, leader))  # same prompt and forced tokens: no forward of its own
+            if leader is not None and leader[1] == tokens:
+                # Same prompt and forced tokens: no forward of its own.
+                shared.append((Row(req, leader[0].tokens, leader[0].start), leader[0]))
                 continue
+            row = Row(req, tokens[req.reuse.length :], req.reuse.length)
             rows.append(row)
             if req.group:
-                leaders.setdefault(req.group, row)
+                leaders.setdefault(req.group, (row, tokens))
         return rows, shared
 
     # ------------------------------------------------------------------ decode

@@ -37,6 +37,8 @@ class EngineConfig:
     # `batch_buckets`.
     bucketed: bool = True
     structured_outputs: bool = True
+    # A prompt reuses the K/V a slot holds for its prefix (`neuron_worker.prefix_cache`).
+    prefix_cache: bool = True
     overlap: bool = True
     jump_forward: bool = True
     # Passes of one token per row as one C++ call (`neuron_worker.model.fused_decode`) where it

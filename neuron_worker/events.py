@@ -92,6 +92,7 @@ class Usage:
     forward_passes: int
     draft_tokens: int
     accepted_draft_tokens: int
+    cached_prompt_tokens: int = 0
 
 
 @dataclass

@@ -97,7 +97,8 @@ class Pass:
     (position -1 = padding), slots int64 [rows], last int64 [logits rows]: flat indices
     `row * tokens + column` of the tokens whose logits the pass returns (one token per row:
     rows; a decode pass names each of its rows), kv_len. `prefill`: a pass over prompts
-    (`Transformer.prefill_logits`), not over tokens the requests generated."""
+    (`Transformer.prefill_logits`), not over tokens the requests generated. `copies`: (source
+    slot, destination slot, length) K/V prefixes copied before the pass."""
 
     tokens: np.ndarray
     positions: np.ndarray
@@ -105,6 +106,7 @@ class Pass:
     last: np.ndarray
     kv_len: int
     prefill: bool = False
+    copies: tuple[tuple[int, int, int], ...] = ()
 
 
 class ForwardRunner:

@@ -40,6 +40,12 @@ TOKENS = prom.Counter(
     "Completion tokens produced (rate() gives tokens/s)",
     ["kind"],  # sampled | forced
 )
+PROMPT_TOKENS = prom.Counter(
+    "maskwire_worker_prompt_tokens_total",
+    "Prompt tokens of admitted requests: `computed` by a prompt pass, or `reused` from K/V a "
+    "KV slot held for the same prefix (the prefix cache; hit rate = reused / both)",
+    ["source"],  # computed | reused
+)
 FORWARD_PASSES = prom.Counter(
     "maskwire_worker_forward_passes_total", "Forward passes run", ["kind"]
 )
@@ -102,6 +108,8 @@ class EngineStats:
     forward_passes: int = 0
     sampled_tokens: int = 0
     forced_tokens: int = 0
+    prompt_tokens_computed: int = 0
+    prompt_tokens_reused: int = 0
     compiles_while_serving: int = 0
     draft_proposed: int = 0
     draft_forced: int = 0
@@ -145,6 +153,13 @@ class Metrics:
     def compiled_while_serving(self, graphs: int) -> None:
         self.stats.compiles_while_serving += graphs
         COMPILES_WHILE_SERVING.inc(graphs)
+
+    def prompt_tokens(self, *, computed: int, reused: int) -> None:
+        """Tokens of one prompt pass's rows: run through it, and taken from a slot's K/V."""
+        self.stats.prompt_tokens_computed += computed
+        self.stats.prompt_tokens_reused += reused
+        PROMPT_TOKENS.labels("computed").inc(computed)
+        PROMPT_TOKENS.labels("reused").inc(reused)
 
     def tokens(self, sampled: int, forced: int) -> None:
         self.stats.sampled_tokens += sampled

@@ -13,6 +13,7 @@ from neuron_worker.detokenize import Detokenizer
 from neuron_worker.drafter import DraftBudget, Drafter
 from neuron_worker.events import Delta, Final, FinishReason, Output, TokenEntry, Usage
 from neuron_worker.grammar_client import GrammarRequest
+from neuron_worker.prefix_cache import NO_REUSE, Reuse
 
 if TYPE_CHECKING:
     from maskwire.v1 import common_pb2
@@ -92,6 +93,8 @@ class Request:
     grammar: GrammarRequest | None = None  # set when the request is constrained
     state: State = State.WAITING
     slot: int = -1
+    # The prompt prefix its slot holds at admission, or gets copied (`neuron_worker.prefix_cache`).
+    reuse: Reuse = NO_REUSE
     output: list[int] = field(default_factory=list)
     pending: int | None = None
     verified: list[int] = field(default_factory=list)
@@ -101,6 +104,7 @@ class Request:
     draft_tokens: int = 0  # drafts that reached a verification pass
     accepted_drafts: int = 0  # of those, kept
     cached: int = 0  # tokens (prompt + output) whose K/V are in the cache
+    cached_prompt: int = 0  # prompt tokens whose K/V the prefix cache held (never computed)
     forced_tokens: int = 0
     forward_passes: int = 0
     sampled: int = 0  # tokens drawn by the sampler (the sampler's per-request offset)
@@ -187,6 +191,7 @@ class Request:
             forward_passes=self.forward_passes,
             draft_tokens=self.draft_tokens,
             accepted_draft_tokens=self.accepted_drafts,
+            cached_prompt_tokens=self.cached_prompt,
         )
         delta = self.delta() or Delta(self.call_id, self.index)
         return Final(delta, reason, usage, stop_string=stop_string, error=error)

@@ -10,7 +10,8 @@ clients with waiting requests, itself included) still gets in, in place of the n
 call of the client furthest over its share, which is refused as if the queue had been full when
 it came (RESOURCE_EXHAUSTED). A free slot goes to the oldest waiting request of the client with
 the fewest running requests, between equals to the one admitted least recently (first come,
-first served for a single client).
+first served for a single client). Which free slot a request takes is the prefix cache's choice
+(`neuron_worker.prefix_cache`): the one holding the most of its prompt.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 
 from neuron_worker.events import EngineError, ErrorKind
+from neuron_worker.prefix_cache import PrefixCache
 from neuron_worker.request import Request, State
 
 
@@ -70,7 +72,11 @@ class Scheduler:
         batch_buckets: Sequence[int],
         seq_buckets: Sequence[int],
         max_prefill_tokens: int,
+        prefix_cache: bool = True,
+        prefix_copies: bool = True,
     ) -> None:
+        """`prefix_cache`: whether a prompt reuses the K/V a slot holds for its prefix;
+        `prefix_copies`: whether from another slot too (`PrefixCache`)."""
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.max_seq_len = max_seq_len
@@ -79,7 +85,8 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._free_slots = list(range(max_batch - 1, -1, -1))
+        self._free_slots = list(range(max_batch))
+        self.prefixes = PrefixCache(max_batch, enabled=prefix_cache, copies=prefix_copies)
         # When each client with live requests last had one admitted (admission count).
         self._admitted_at: dict[str, int] = {}
         self._admissions = 0
@@ -151,7 +158,8 @@ class Scheduler:
                 group.append(self.waiting[at + len(group)])
             if len(group) > len(self._free_slots):
                 break
-            longest_next = max(longest, len(req.prompt))
+            reused = self.prefixes.plan(req.prompt, self._free_slots).length
+            longest_next = max(longest, len(req.prompt) - reused)
             rows = self.batch_bucket(min(prefill_rows + 1, self.batch_buckets[-1]))
             if admitted and rows * prefill_len(longest_next) > self.max_prefill_tokens:
                 break
@@ -160,7 +168,9 @@ class Scheduler:
             for member in group:
                 del self.waiting[at]
                 running[member.peer] += 1
-                member.slot = self._free_slots.pop()
+                member.reuse = self.prefixes.take(member.prompt, self._free_slots)
+                member.slot = member.reuse.slot
+                self._free_slots.remove(member.slot)
                 member.state = State.RUNNING
                 self.running.append(member)
                 admitted.append(member)
@@ -185,6 +195,7 @@ class Scheduler:
         if req.state is State.RUNNING:
             self.running.remove(req)
             self._free_slots.append(req.slot)
+            self.prefixes.release(req.slot)
             req.slot = -1
         elif req.state is State.WAITING:
             with contextlib.suppress(ValueError):

@@ -312,6 +312,7 @@ def response(item: Delta | Final) -> worker_pb2.GenerateResponse:
                 forward_passes=u.forward_passes,
                 draft_tokens=u.draft_tokens,
                 accepted_draft_tokens=u.accepted_draft_tokens,
+                cached_prompt_tokens=u.cached_prompt_tokens,
             )
         )
     return msg

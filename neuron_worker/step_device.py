@@ -220,7 +220,9 @@ class StepDevice:
         self.backend.sync()
 
     def forward(self, p: Pass) -> Logits:
-        """One forward pass (:meth:`ForwardRunner.run`)."""
+        """One forward pass (:meth:`ForwardRunner.run`), after its prefix copies."""
+        for src, dst, length in p.copies:
+            self.model.copy_slot(src, dst, length)
         return self._hold(self.runner.run(p))
 
     def share(self, logits: Logits, copies: list[tuple[int, int, int]], index: list[int]) -> Logits:

@@ -9,7 +9,7 @@ the sampler's input from the step's draws and the grammar's answers.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -68,10 +68,13 @@ class Row:
 @dataclass
 class ForwardBatch:
     """The rows of one forward pass and its kind (a metrics label; "prefill" picks the prefill
-    graph): "prefill", "decode", "jump_forward" or "verify"."""
+    graph): "prefill", "decode", "jump_forward" or "verify". `copies`: (source slot, row's slot,
+    length) prompt prefixes to copy into the rows' slots before the pass (a prefix another slot
+    holds, `neuron_worker.prefix_cache`)."""
 
     rows: list[Row]
     kind: str
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     def pack(self, runner: ForwardRunner, pad_slot: int) -> Pass:
         """The pass's arrays, padded to the runner's shapes; logits come back for each row's
@@ -93,7 +96,10 @@ class ForwardBatch:
             slots[i] = row.req.slot
             last[o : o + len(want)] = i * t + k - row.outputs + np.asarray(want)
             o += len(want)
-        return Pass(tokens, pos, slots, last, kv_len, prefill=self.kind == "prefill")
+        # Copied up to a sequence bucket: a static-shape backend sees few copy shapes, and the
+        # positions past the prefix are the row's to write (or never attended).
+        copies = tuple((src, dst, runner.shape(1, 1, n)[2]) for src, dst, n in self.copies)
+        return Pass(tokens, pos, slots, last, kv_len, prefill=self.kind == "prefill", copies=copies)
 
 
 def sample_batch(

@@ -275,7 +275,16 @@ def test_streamed_content_matches_and_counts_usage(client: openai.OpenAI) -> Non
     assert roles[0] == "assistant"
     assert text == whole.choices[0].message.content
     assert finish == whole.choices[0].finish_reason
-    assert usage is not None and usage == whole.usage
+    assert usage is not None and whole.usage is not None
+    counts = usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+    assert counts == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+        whole.usage.total_tokens,
+    )
+    # The same prompt again: the worker's prefix cache held all of it but its last token.
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
     jsonschema.validate(json.loads(text), SCHEMAS["person"][0])
 
 

@@ -52,6 +52,10 @@ def test_text_answer_with_instructions_and_usage(client: openai.OpenAI) -> None:
     assert [item.type for item in r.output] == ["message"]
     assert r.usage.input_tokens > 10 and 0 < r.usage.output_tokens < 40
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    again = create(client, "What is the capital of France?")
+    # The worker's prefix cache held all of the repeated prompt but its last token.
+    assert again.usage.input_tokens_details.cached_tokens == r.usage.input_tokens - 1
+    assert again.output_text == r.output_text
     short = create(
         client, "Tell a long story.", instructions="You tell stories.", max_output_tokens=5
     )

@@ -183,6 +183,7 @@ def make_engine(
     admit_window_s: float = 0.0,
     admit_quiet_s: float = 0.004,
     stream_interval_s: float = 0.0,
+    prefix_cache: bool = True,
 ) -> tuple[Engine, FakeModel]:
     model = FakeModel()
     config = EngineConfig(
@@ -198,6 +199,7 @@ def make_engine(
         overlap=overlap,
         jump_forward=jump_forward,
         speculative=speculative,
+        prefix_cache=prefix_cache,
     )
     sampler = Sampler(
         vocab_size=V,
@@ -691,6 +693,67 @@ async def test_n_choices_prefill_the_prompt_once(constrained: bool) -> None:
     slots = {src for src, _, _ in model.copies}
     assert len(model.copies) == 2 and len(slots) == 1
     assert all(length >= len(first.prompt) for _, _, length in model.copies)
+
+
+def prompt_request(name: str, prompt: list[int], max_tokens: int = 12) -> Request:
+    return Request(
+        request_id=name,
+        prompt=prompt,
+        sampling=Sampling(max_tokens=max_tokens),
+        detok=Detokenizer(TOK.token_bytes, ()),
+    )
+
+
+@pytest.mark.parametrize("bucketed", [True, False], ids=["buckets", "dynamic"])
+@pytest.mark.parametrize("enabled", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+async def test_prompts_reuse_the_prefix_a_slot_holds(enabled: bool, bucketed: bool) -> None:
+    """B shares 24 tokens with A, which still runs: its prefill copies them from A's slot
+    (dynamic shapes; with buckets it computes them). C repeats A after both ended: it runs only
+    its last token, in A's slot. The fake model hashes each slot's tokens, so a wrong copy, slot
+    or start would show in the outputs."""
+    engine, model = make_engine(overlap=False, bucketed=bucketed, prefix_cache=enabled)
+    starts: list[list[int]] = []
+
+    async def record(batch: ForwardBatch) -> None:
+        if batch.kind == "prefill":
+            starts.append([row.start for row in batch.rows])
+
+    before_each_pass(engine, record)
+    shared = NORMAL[10:34]
+    a = prompt_request("a", [*shared, NORMAL[50], NORMAL[51]], max_tokens=40)
+    b = prompt_request("b", [*shared, NORMAL[60]])
+    c = prompt_request("c", list(a.prompt))
+    await engine.start()
+    try:
+        await engine.submit(a)
+        running_a = asyncio.create_task(collect(a))
+        while not a.output:
+            await asyncio.sleep(0.001)
+        await engine.submit(b)
+        got_b = await collect(b)
+        got_a = await running_a
+        await engine.submit(c)
+        got_c = await collect(c)
+    finally:
+        await engine.stop()
+    for req, (ids, _, _) in zip((a, b, c), (got_a, got_b, got_c), strict=True):
+        assert ids == reference(req.prompt, req.sampling.max_tokens, False, 9), req.request_id
+    copied = enabled and not bucketed
+    cached = [final.usage.cached_prompt_tokens for _, _, final in (got_a, got_b, got_c)]
+    if not enabled:
+        assert starts == [[0], [0], [0]] and cached == [0, 0, 0] and not model.copies
+        return
+    assert starts == [[0], [24 if copied else 0], [len(a.prompt) - 1]]
+    assert cached == [0, 24 if copied else 0, len(a.prompt) - 1]
+    if copied:
+        assert len(model.copies) == 1
+        src, dst, length = model.copies[0]
+        assert src != dst and length >= 24
+    else:
+        assert not model.copies
+    stats = engine.metrics.stats
+    assert stats.prompt_tokens_reused == sum(cached)
+    assert stats.prompt_tokens_computed == 3 * len(a.prompt) - 1 - sum(cached)
 
 
 async def test_abort_by_call_id_stops_every_choice() -> None:

@@ -10,6 +10,7 @@ import pytest
 from maskwire.rpc import RpcError
 from neuron_worker.detokenize import Detokenizer
 from neuron_worker.events import EngineError
+from neuron_worker.prefix_cache import Reuse
 from neuron_worker.request import Request, Sampling, State
 from neuron_worker.scheduler import Scheduler, bucket_for, parse_buckets, pow2_buckets
 from neuron_worker.servicer import status
@@ -174,3 +175,21 @@ def test_between_equals_a_free_slot_goes_to_the_client_admitted_least_recently()
     assert s.admit() == [late]  # a had the slot last; b's request is younger but goes first
     s.release(late)
     assert s.admit() == [greedy[1]]
+
+
+def test_the_prefill_budget_counts_only_the_tokens_a_prompt_computes() -> None:
+    """Two 60-token prompts would need two 64-token rows (over the budget of 64); whose K/V a
+    slot holds already, they run one token each and are admitted together."""
+    s = sched(max_batch=4, max_queue=8, max_prefill_tokens=64)
+    first = make(0, n_prompt=60)
+    s.enqueue([first])
+    assert s.admit() == [first]
+    slot = first.slot
+    s.prefixes.hold(slot, first.prompt)  # what the engine records after its prompt pass
+    s.release(first)
+    again = [make(i, n_prompt=60) for i in (1, 2)]
+    for r in again:
+        s.enqueue([r])
+    assert s.admit() == again
+    assert again[0].reuse == Reuse(slot, 59)  # in place
+    assert again[1].reuse.length == 59 and again[1].reuse.source == slot  # copied from it

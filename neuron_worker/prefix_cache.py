@@ -1,0 +1,104 @@
+"""Prompt prefix reuse: the K/V a KV slot holds for a prompt serve a later prompt that starts
+with the same tokens (a shared system prompt, a tool list, a repeated request, the earlier turns
+of a conversation), which then runs only its new tokens through the prompt pass.
+
+Each slot remembers the prompt whose K/V it holds, for as long as nothing overwrites them: while
+its request runs, and after it finishes until the slot is taken again. Only K/V written by a
+prompt pass count: a prompt pass runs the dense weights, the steps the quantized ones
+(`neuron_worker.model.linear`), so a prompt reusing a step's K/V would see other numbers than
+one that computes them. A request's generated tokens and the grammar's forced ones are never
+remembered (a grammar may take forced tokens back).
+
+A new request takes the free slot holding the longest prefix of its prompt, in place. Where
+another slot (free or running) holds a longer one, by at least `MIN_COPY` tokens, it takes the
+free slot used least recently instead and its prompt pass first copies that prefix there
+(`neuron_worker.graphs.Pass.copies`). At least the prompt's last token always runs: its logits
+are the request's first draw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# A copy between slots costs a few eager copies per layer (~1 ms on CPU); below this many
+# tokens the prompt pass computes them instead.
+MIN_COPY = 16
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """Where a request's prompt pass starts: `slot` is its own; positions [0, `length`) of its
+    prompt are there already, or are copied from slot `source` first (`source` = -1: no copy)."""
+
+    slot: int
+    length: int = 0
+    source: int = -1
+
+
+NO_REUSE = Reuse(-1)
+"""A request not admitted yet."""
+
+
+class PrefixCache:
+    """The prompt tokens whose K/V each of `slots` KV slots holds, and the slot choice that
+    reuses them (module docstring). Disabled, it remembers nothing: a request takes the free
+    slot used least recently and computes its whole prompt."""
+
+    def __init__(self, slots: int, *, enabled: bool = True, copies: bool = True) -> None:
+        """`copies`: whether a prefix may be copied between slots (else reused in place only:
+        a static-shape backend would trace a graph per copy)."""
+        self.enabled = enabled
+        self.copies = copies
+        self._held = [np.zeros(0, dtype=np.int64) for _ in range(slots)]
+        self._used = [0] * slots  # when each slot was last taken or freed (a counter)
+        self._clock = 0
+
+    def held(self, slot: int) -> list[int]:
+        """The prompt tokens whose K/V `slot` holds."""
+        return self._held[slot].tolist()
+
+    def plan(self, prompt: Sequence[int], free: Sequence[int]) -> Reuse:
+        """The slot among `free` (non-empty) a new request with `prompt` would take, and the
+        prefix it would reuse; changes nothing."""
+        tokens = np.asarray(prompt, dtype=np.int64)
+        limit = len(tokens) - 1
+        own = {s: self._match(s, tokens, limit) for s in free}
+        slot = max(free, key=lambda s: (own[s], -self._used[s]))
+        best = max(range(len(self._held)), key=lambda s: self._match(s, tokens, limit))
+        length = self._match(best, tokens, limit)
+        if self.copies and best != slot and length - own[slot] >= MIN_COPY:
+            return Reuse(min(free, key=lambda s: self._used[s]), length, best)
+        return Reuse(slot, own[slot])
+
+    def take(self, prompt: Sequence[int], free: Sequence[int]) -> Reuse:
+        """:meth:`plan`, and the slot taken: until its prompt pass has run it holds only the
+        prefix of `prompt` it held already (a copy into it happens with that pass)."""
+        reuse = self.plan(prompt, free)
+        kept = self._match(reuse.slot, np.asarray(prompt, dtype=np.int64), len(prompt) - 1)
+        self._held[reuse.slot] = self._held[reuse.slot][:kept]
+        self._touch(reuse.slot)
+        return reuse
+
+    def hold(self, slot: int, prompt: Sequence[int]) -> None:
+        """A prompt pass wrote the K/V of `prompt` into `slot` (or copied them there)."""
+        if self.enabled:
+            self._held[slot] = np.asarray(prompt, dtype=np.int64)
+
+    def release(self, slot: int) -> None:
+        """The slot's request finished: its prompt stays for later requests."""
+        self._touch(slot)
+
+    def _match(self, slot: int, tokens: np.ndarray, limit: int) -> int:
+        held = self._held[slot]
+        n = min(len(held), limit)
+        if n <= 0:
+            return 0
+        differ = np.flatnonzero(held[:n] != tokens[:n])
+        return int(differ[0]) if len(differ) else n
+
+    def _touch(self, slot: int) -> None:
+        self._clock += 1
+        self._used[slot] = self._clock

@@ -1,0 +1,74 @@
+"""The prefix cache's slot choice: in place where a free slot holds the prompt's prefix, a copy
+from another slot where that holds at least `MIN_COPY` more tokens, least recently used else."""
+
+from __future__ import annotations
+
+from neuron_worker.prefix_cache import MIN_COPY, PrefixCache, Reuse
+
+SYSTEM = list(range(100, 140))  # a 40-token shared prefix
+
+
+def test_a_free_slot_holding_the_prompt_is_reused_in_place_up_to_its_last_token() -> None:
+    cache = PrefixCache(4)
+    prompt = [*SYSTEM, 7, 8]
+    cache.hold(2, prompt)
+    assert cache.plan(prompt, [0, 1, 2, 3]) == Reuse(2, len(prompt) - 1)
+    # A longer prompt reuses all of the held one; a shorter one all but its last token.
+    assert cache.plan([*prompt, 9], [0, 1, 2, 3]) == Reuse(2, len(prompt))
+    assert cache.plan(SYSTEM[:10], [0, 1, 2, 3]) == Reuse(2, 9)
+    assert cache.plan([5], [0, 1, 2, 3]).length == 0  # a one-token prompt computes it
+
+
+def served(cache: PrefixCache, slot: int, prompt: list[int]) -> None:
+    """A request with `prompt` ran in `slot` and finished."""
+    cache.take(prompt, [slot])
+    cache.hold(slot, prompt)
+    cache.release(slot)
+
+
+def test_the_slot_with_the_longest_prefix_wins_and_ties_go_to_the_least_recently_used() -> None:
+    cache = PrefixCache(4)
+    served(cache, 0, [*SYSTEM, 1])
+    served(cache, 1, [*SYSTEM[:20], 99])
+    served(cache, 2, [7])
+    assert cache.plan([*SYSTEM, 2], [0, 1, 2, 3]) == Reuse(0, len(SYSTEM))
+    assert cache.plan([*SYSTEM[:20], 5], [1, 2, 3]) == Reuse(1, 20)
+    # No match anywhere: the slot used longest ago (3 was never used, then 0, 1, 2).
+    assert cache.plan([77, 78], [0, 1, 2, 3]) == Reuse(3, 0)
+    assert cache.plan([77, 78], [0, 1, 2]) == Reuse(0, 0)
+
+
+def test_a_prefix_another_slot_holds_is_copied_into_the_least_recently_used_free_slot() -> None:
+    cache = PrefixCache(4)
+    served(cache, 0, SYSTEM[:5])
+    served(cache, 1, [9])
+    cache.take([*SYSTEM, 1, 2], [3])  # a running request's slot: not free
+    cache.hold(3, [*SYSTEM, 1, 2])
+    reuse = cache.plan([*SYSTEM, 5], [0, 1, 2])
+    assert reuse == Reuse(2, len(SYSTEM), 3)  # 2 was never used; 0 keeps its own prefix
+    # Less than MIN_COPY more than a free slot holds: computed, in that slot.
+    served(cache, 0, SYSTEM[: len(SYSTEM) - MIN_COPY + 1])
+    assert cache.plan([*SYSTEM, 5], [0, 1, 2]) == Reuse(0, len(SYSTEM) - MIN_COPY + 1)
+
+
+def test_taking_a_slot_keeps_only_what_it_holds_of_the_new_prompt() -> None:
+    cache = PrefixCache(2)
+    cache.hold(0, [*SYSTEM, 1, 2, 3])
+    reuse = cache.take([*SYSTEM, 4], [0, 1])
+    assert reuse == Reuse(0, len(SYSTEM))
+    assert cache.held(0) == SYSTEM  # until the prompt pass writes the rest
+    cache.hold(0, [*SYSTEM, 4])
+    assert cache.plan([*SYSTEM, 4, 5], [0, 1]) == Reuse(0, len(SYSTEM) + 1)
+
+
+def test_without_copies_only_a_free_slot_s_own_prefix_is_reused() -> None:
+    cache = PrefixCache(3, copies=False)
+    cache.hold(2, [*SYSTEM, 1])
+    assert cache.plan([*SYSTEM, 5], [0, 1]) == Reuse(0, 0)
+
+
+def test_disabled_it_holds_nothing() -> None:
+    cache = PrefixCache(2, enabled=False)
+    cache.hold(0, [*SYSTEM, 1])
+    assert cache.held(0) == []
+    assert cache.plan([*SYSTEM, 1], [0, 1]) == Reuse(0, 0)
