@@ -1,8 +1,9 @@
 """llama.cpp's `llama-server` as a benchmark peer, on the shared peers workload.
 
 Starts `llama-server` (built by bench/build_llama_server.sh; never part of CI or the tests) on a
-free loopback port with the embedded SmolLM2 GGUF, 2 threads, 8 slots, no prompt caching (the
-harness runs its peers without prefix caching), and drives it with the peers harness's own client
+free loopback port with the embedded SmolLM2 GGUF, 2 threads, 8 slots, no prompt caching unless
+asked (the harness runs its peers without prefix caching), and drives it with the peers harness's
+own client
 (`bench_maskwire.run` from `../shared/peers`): the same 8 chat prompts and JSON schemas, greedy,
 64 new tokens, c1 and c8, constrained (`response_format` json_schema, which llama-server turns into
 a grammar) and not, through the OpenAI-compatible API with streaming. TTFT, decode tok/s and
@@ -79,7 +80,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_args(threads: int, parallel: int) -> list[str]:
+def server_args(threads: int, parallel: int, prefix_caching: bool = False) -> list[str]:
+    no_cache = [] if prefix_caching else ["--no-cache-prompt", "--cache-ram", "0"]
     return [
         "-m",
         str(embedded_model_path()),
@@ -93,9 +95,7 @@ def server_args(threads: int, parallel: int) -> list[str]:
         str(parallel),
         "-c",
         str(parallel * CTX_PER_SLOT),
-        "--no-cache-prompt",
-        "--cache-ram",
-        "0",
+        *no_cache,
         "--no-webui",
     ]
 
@@ -143,11 +143,12 @@ def run_llama_server_workload(
     threads: int = 2,
     parallel: int = 8,
     log: Path = Path(os.devnull),
+    prefix_caching: bool = False,
 ) -> dict[str, Any]:
     """One pass of the harness's protocol against a fresh llama-server: the harness's result
     (`summary` with c1/c8 blocks and validity, `rows`) plus start-up time and the command line."""
     harness = load_harness(peers)
-    args = server_args(threads, parallel)
+    args = server_args(threads, parallel, prefix_caching)
     with llama_server(binary, args, log) as (url, ready_s):
         res: dict[str, Any] = with_latency(asyncio.run(harness.run(url)))
     res["engine"] = "llama-server"

@@ -10,11 +10,15 @@ the targets (`TARGETS`) are checked. Run nothing else on the machine meanwhile (
 With `--llama-server PATH` (built by bench/build_llama_server.sh), llama.cpp's server runs the
 same workload in each round as a third engine (bench/llama_server.py), reported with the ratios
 maskwire / llama-server and their targets (`LLAMA_TARGETS`).
+Prefix caching is off for every engine, as the harness's protocol has it (maskwire's
+`--no-prefix-cache`, vLLM's default, llama-server's `--no-cache-prompt`); `--prefix-caching on`
+turns it on for all of them (each prompt is sent again in later phases, so every engine then
+reuses most of its prompts' K/V).
 
 Writes bench/results/<name>.json and <name>.png (`--name`, default vs_vllm; the CPU's vector
 extensions are recorded, as the figures depend on them: vs_vllm_avx2 holds an AVX2-only host's).
 Usage: python bench/vs_vllm.py [--rounds 3] [--peers ../shared/peers] [--up-args "..."] [--name N]
-                                [--llama-server PATH]
+                                [--llama-server PATH] [--prefix-caching off|on]
 """
 
 from __future__ import annotations
@@ -131,7 +135,15 @@ def main() -> None:
     ap.add_argument(
         "--llama-server", type=Path, help="also run llama.cpp's llama-server (this executable)"
     )
+    ap.add_argument(
+        "--prefix-caching",
+        choices=("off", "on"),
+        default="off",
+        help="every engine's prefix caching (default off: the harness's protocol)",
+    )
     a = ap.parse_args()
+    caching = a.prefix_caching == "on"
+    up_args = a.up_args if caching else f"{a.up_args} --worker-arg=--no-prefix-cache".strip()
     engines = ["vllm", "maskwire"]
     if a.llama_server:
         from llama_server import run_llama_server_workload
@@ -160,6 +172,8 @@ def main() -> None:
                 tag,
                 "--dtype",
                 a.vllm_dtype,
+                "--prefix-caching",
+                a.prefix_caching,
             ],
             env,
             log,
@@ -171,7 +185,7 @@ def main() -> None:
                 str(a.peers / "bench_maskwire.py"),
                 "--tag",
                 tag,
-                f"--up-args={a.up_args}",
+                f"--up-args={up_args}",
             ],
             env,
             log,
@@ -190,7 +204,9 @@ def main() -> None:
             }
         )
         if a.llama_server:
-            llama = run_llama_server_workload(a.llama_server, a.peers, log=log)["summary"]
+            llama = run_llama_server_workload(
+                a.llama_server, a.peers, log=log, prefix_caching=caching
+            )["summary"]
             rounds[-1]["llama_server"] = figures(llama)
             rounds[-1]["llama_server_ready_s"] = llama["ready_s"]
             rounds[-1]["llama_server_valid"] = {k: llama[k] for k in ("c1_valid", "c8_valid")}
@@ -208,7 +224,8 @@ def main() -> None:
         "ratio_maskwire_over_vllm": ratios,
         "targets": TARGETS,
         "targets_met": met,
-        "up_args": a.up_args,
+        "up_args": up_args,
+        "prefix_caching": a.prefix_caching,
         "vllm_dtype": a.vllm_dtype,
         "load_avg": os.getloadavg(),
         "cpu": cpu_features(),
