@@ -56,6 +56,7 @@ def _digest(value: bytes) -> bytes:
 
 
 KEY_PLACES = "maskwire.key_places"  # ASGI scope entry: the request's `KeyPlaces`
+KEY_INDEX = "maskwire.key_index"  # ASGI scope entry: which API key the request gave
 
 
 class KeyPlaces:
@@ -135,6 +136,7 @@ class ApiKeys:
         if index is None:
             await self._refuse(scope, receive, send, "unauthenticated", _unauthorized())
             return
+        scope[KEY_INDEX] = index
         if scope["method"] != "POST" or not self.max_per_key:
             await self.app(scope, receive, send)
             return

@@ -115,6 +115,7 @@ def plan_chat(
         reasoning_end_marker=marker,
         n=n if n > 1 else 0,
         disable_speculation=req.speculative is False,
+        cache_salt=req.cache_salt or "",
     )
     if constraint is not None:
         generate.constraint.CopyFrom(constraint)

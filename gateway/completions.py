@@ -51,6 +51,7 @@ def plan_completion(
         model=req.model,
         n=n if n > 1 else 0,
         disable_speculation=req.speculative is False,
+        cache_salt=req.cache_salt or "",
     )
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import errors, schemas, sse
-from gateway.auth import KEY_PLACES
+from gateway.auth import KEY_INDEX, KEY_PLACES
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.workers import WorkerPool
@@ -361,6 +361,11 @@ async def respond(
     places = request.scope.get(KEY_PLACES)
     if places is not None:
         places.hold(gen_request.n or 1)  # each choice holds a worker batch slot
+    key = request.scope.get(KEY_INDEX)
+    if key is not None:
+        # One API key's requests never reuse another's cached prompts: whether a prompt was
+        # cached shows in response times.
+        gen_request.cache_salt = f"key{key}:{gen_request.cache_salt}"
     ctx.limiter.acquire()
     released = False
     try:

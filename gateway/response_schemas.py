@@ -94,6 +94,9 @@ class ResponseCreateRequest(_Request):
     user: str | None = None
     # Extensions (`extra_body`), as on chat completions.
     seed: int | None = Field(None, description="Extension: sampling seed.")
+    cache_salt: str | None = Field(
+        None, max_length=200, description="Extension: as on chat completions."
+    )
     top_k: int | None = Field(None, ge=0, description="Extension: keep the k most likely tokens.")
     structured_outputs: StructuredOutputs | None = Field(
         None, description="Extension: constrain the output with a regex, choice or grammar."

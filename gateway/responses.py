@@ -208,6 +208,7 @@ def to_chat(req: rs.ResponseCreateRequest) -> tuple[schemas.ChatCompletionReques
         "response_format": _response_format(req.text),
         "structured_outputs": req.structured_outputs,
         "chat_template_kwargs": req.chat_template_kwargs,
+        "cache_salt": req.cache_salt,
     }
     if not body["messages"]:
         raise errors.bad_request("`input` holds no message", "input")

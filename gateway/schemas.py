@@ -221,6 +221,12 @@ class _SamplingFields(_Request):
         "drawn from (penalties, bias, grammar mask, temperature); `raw` the model's own.",
     )
     ignore_eos: bool | None = Field(None, description="Extension: keep going past end-of-text.")
+    cache_salt: str | None = Field(
+        None,
+        max_length=200,
+        description="Extension (vLLM's): the worker's prefix cache reuses only prompts cached by "
+        "requests with the same salt (with API keys, only within one key).",
+    )
     speculative: bool | None = Field(
         None,
         description="maskwire: false opts this request out of speculative decoding (the worker's "

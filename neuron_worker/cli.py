@@ -172,7 +172,8 @@ def _batch_flags(p: argparse.ArgumentParser) -> None:
         "--max-prefill-tokens",
         type=int,
         default=ENGINE.max_prefill_tokens,
-        help="padded tokens in one prefill batch (admission budget)",
+        help="padded tokens one prefill batch computes (admission budget; prompt prefixes the "
+        "prefix cache holds are not counted)",
     )
     g.add_argument(
         "--prefix-cache",

@@ -9,6 +9,9 @@ prompt pass count: a prompt pass runs the dense weights, the steps the quantized
 one that computes them. A request's generated tokens and the grammar's forced ones are never
 remembered (a grammar may take forced tokens back).
 
+Requests reuse only what requests with the same cache salt (`GenerateRequest.cache_salt`, a
+tenant's) left: a tenant cannot tell from response times whether another sent a prompt.
+
 A new request takes the free slot holding the longest prefix of its prompt, in place. Where
 another slot (free or running) holds a longer one, by at least `MIN_COPY` tokens, it takes the
 free slot used least recently instead and its prompt pass first copies that prefix there
@@ -53,6 +56,7 @@ class PrefixCache:
         self.enabled = enabled
         self.copies = copies
         self._held = [np.zeros(0, dtype=np.int64) for _ in range(slots)]
+        self._salts = [""] * slots  # the cache salt of the request that wrote each slot's prompt
         self._used = [0] * slots  # when each slot was last taken or freed (a counter)
         self._clock = 0
 
@@ -60,25 +64,27 @@ class PrefixCache:
         """The prompt tokens whose K/V `slot` holds."""
         return self._held[slot].tolist()
 
-    def plan(self, prompt: Sequence[int], free: Sequence[int]) -> Reuse:
-        """The slot among `free` (non-empty) a new request with `prompt` would take, and the
-        prefix it would reuse; changes nothing."""
+    def plan(self, prompt: Sequence[int], free: Sequence[int], salt: str = "") -> Reuse:
+        """The slot among `free` (non-empty) a new request with `prompt` and cache `salt` would
+        take, and the prefix it would reuse; changes nothing."""
         tokens = np.asarray(prompt, dtype=np.int64)
         limit = len(tokens) - 1
-        own = {s: self._match(s, tokens, limit) for s in free}
+        own = {s: self._match(s, tokens, limit, salt) for s in free}
         slot = max(free, key=lambda s: (own[s], -self._used[s]))
-        best = max(range(len(self._held)), key=lambda s: self._match(s, tokens, limit))
-        length = self._match(best, tokens, limit)
+        best = max(range(len(self._held)), key=lambda s: self._match(s, tokens, limit, salt))
+        length = self._match(best, tokens, limit, salt)
         if self.copies and best != slot and length - own[slot] >= MIN_COPY:
             return Reuse(min(free, key=lambda s: self._used[s]), length, best)
         return Reuse(slot, own[slot])
 
-    def take(self, prompt: Sequence[int], free: Sequence[int]) -> Reuse:
+    def take(self, prompt: Sequence[int], free: Sequence[int], salt: str = "") -> Reuse:
         """:meth:`plan`, and the slot taken: until its prompt pass has run it holds only the
         prefix of `prompt` it held already (a copy into it happens with that pass)."""
-        reuse = self.plan(prompt, free)
-        kept = self._match(reuse.slot, np.asarray(prompt, dtype=np.int64), len(prompt) - 1)
+        reuse = self.plan(prompt, free, salt)
+        tokens = np.asarray(prompt, dtype=np.int64)
+        kept = self._match(reuse.slot, tokens, len(prompt) - 1, salt)
         self._held[reuse.slot] = self._held[reuse.slot][:kept]
+        self._salts[reuse.slot] = salt
         self._touch(reuse.slot)
         return reuse
 
@@ -91,9 +97,9 @@ class PrefixCache:
         """The slot's request finished: its prompt stays for later requests."""
         self._touch(slot)
 
-    def _match(self, slot: int, tokens: np.ndarray, limit: int) -> int:
+    def _match(self, slot: int, tokens: np.ndarray, limit: int, salt: str) -> int:
         held = self._held[slot]
-        n = min(len(held), limit)
+        n = min(len(held), limit) if self._salts[slot] == salt else 0
         if n <= 0:
             return 0
         differ = np.flatnonzero(held[:n] != tokens[:n])

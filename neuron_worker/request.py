@@ -89,6 +89,8 @@ class Request:
     # Who sent it (the gRPC peer: one per client connection); clients share the queue and the
     # batch slots fairly (`scheduler`).
     peer: str = ""
+    # Reuses only prompt prefixes cached by requests with the same salt (`prefix_cache`).
+    cache_salt: str = ""
 
     grammar: GrammarRequest | None = None  # set when the request is constrained
     state: State = State.WAITING

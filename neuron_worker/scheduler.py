@@ -158,7 +158,7 @@ class Scheduler:
                 group.append(self.waiting[at + len(group)])
             if len(group) > len(self._free_slots):
                 break
-            reused = self.prefixes.plan(req.prompt, self._free_slots).length
+            reused = self.prefixes.plan(req.prompt, self._free_slots, req.cache_salt).length
             longest_next = max(longest, len(req.prompt) - reused)
             rows = self.batch_bucket(min(prefill_rows + 1, self.batch_buckets[-1]))
             if admitted and rows * prefill_len(longest_next) > self.max_prefill_tokens:
@@ -168,7 +168,9 @@ class Scheduler:
             for member in group:
                 del self.waiting[at]
                 running[member.peer] += 1
-                member.reuse = self.prefixes.take(member.prompt, self._free_slots)
+                member.reuse = self.prefixes.take(
+                    member.prompt, self._free_slots, member.cache_salt
+                )
                 member.slot = member.reuse.slot
                 self._free_slots.remove(member.slot)
                 member.state = State.RUNNING

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
 MAX_REQUEST_ID_CHARS = 256  # ids travel in every grammar Step row and in logs
+MAX_CACHE_SALT_CHARS = 256  # a salt lives as long as its slot's cached prompt
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -151,6 +152,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             detok=Detokenizer(self.tokenizer.token_bytes, sampling.stop),
             constraint=constraint,
             reasoning_end_marker=msg.reasoning_end_marker,
+            cache_salt=msg.cache_salt,
             # Penalties and logprobs are per sampled position, with the counts and distribution
             # of the tokens before it: a draft position would need the drafts' own counts.
             speculate=not (msg.disable_speculation or sampling.penalized or sampling.logprobs),
@@ -211,6 +213,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         bad: list[FieldViolation] = []
         vocab = self.tokenizer.vocab_size
         bad += _check_request_id(msg.request_id, empty_ok=True)
+        if len(msg.cache_salt) > MAX_CACHE_SALT_CHARS:
+            bad.append(("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters"))
         s = msg.sampling
         if not (0.0 <= s.temperature <= 2.0) or math.isnan(s.temperature):
             bad.append(("sampling.temperature", "must be in [0, 2]"))
@@ -387,6 +391,7 @@ def _choices(first: Request, n: int) -> list[Request]:
                 detok=first.detok.fresh(),
                 constraint=first.constraint,
                 reasoning_end_marker=first.reasoning_end_marker,
+                cache_salt=first.cache_salt,
                 group=first.group,
                 index=i,
                 group_size=n,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from maskwire.v1 import common_pb2 as maskwire_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18maskwire/v1/worker.proto\x12\x0bmaskwire.v1\x1a\x18maskwire/v1/common.proto\"\x9c\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.maskwire.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.maskwire.v1.SamplingParams\x12+\n\nconstraint\x18\x05 \x01(\x0b\x32\x17.maskwire.v1.Constraint\x12\r\n\x05model\x18\x06 \x01(\t\x12\x1c\n\x14reasoning_end_marker\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\r\x12\x1b\n\x13\x64isable_speculation\x18\t \x01(\x08\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xca\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12>\n\nlogit_bias\x18\x0c \x03(\x0b\x32*.maskwire.v1.SamplingParams.LogitBiasEntry\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\r\x12\x30\n\rlogprobs_mode\x18\x0f \x01(\x0e\x32\x19.maskwire.v1.LogprobsMode\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x7f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0e\n\x06\x66orced\x18\x04 \x01(\x08\x12-\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x17.maskwire.v1.TopLogprob\"\xae\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.maskwire.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.maskwire.v1.Usage\x12\x13\n\x0bstop_string\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x30\n\rschema_report\x18\x08 \x01(\x0b\x32\x19.maskwire.v1.SchemaReport\x12+\n\x08logprobs\x18\t \x03(\x0b\x32\x19.maskwire.v1.TokenLogprob\x12\r\n\x05index\x18\n \x01(\r\"\xbb\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rforced_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x66orward_passes\x18\x04 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x06 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xa6\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0blogits_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x11\n\teos_token\x18\x06 \x01(\t\x12\x11\n\tbos_token\x18\x07 \x01(\t\x12\x15\n\rchat_template\x18\x08 \x01(\t\x12\x1a\n\x12structured_outputs\x18\t \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x34\n\ttokenizer\x18\x0b \x01(\x0b\x32!.maskwire.v1.TokenizerFingerprint\x12\x16\n\x0emax_batch_size\x18\x0c \x01(\r*a\n\x0cLogprobsMode\x12\x1d\n\x19LOGPROBS_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17LOGPROBS_MODE_PROCESSED\x10\x01\x12\x15\n\x11LOGPROBS_MODE_RAW\x10\x02*\xb0\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\xdd\x01\n\x06Worker\x12I\n\x08Generate\x12\x1c.maskwire.v1.GenerateRequest\x1a\x1d.maskwire.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.maskwire.v1.AbortRequest\x1a\x1a.maskwire.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .maskwire.v1.GetModelInfoRequest\x1a\x16.maskwire.v1.ModelInfoB<\n\x0f\x64\x65v.maskwire.v1P\x01Z\'maskwire.dev/gen/maskwire/v1;maskwirev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18maskwire/v1/worker.proto\x12\x0bmaskwire.v1\x1a\x18maskwire/v1/common.proto\"\xb0\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.maskwire.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.maskwire.v1.SamplingParams\x12+\n\nconstraint\x18\x05 \x01(\x0b\x32\x17.maskwire.v1.Constraint\x12\r\n\x05model\x18\x06 \x01(\t\x12\x1c\n\x14reasoning_end_marker\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\r\x12\x1b\n\x13\x64isable_speculation\x18\t \x01(\x08\x12\x12\n\ncache_salt\x18\n \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xca\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12>\n\nlogit_bias\x18\x0c \x03(\x0b\x32*.maskwire.v1.SamplingParams.LogitBiasEntry\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\r\x12\x30\n\rlogprobs_mode\x18\x0f \x01(\x0e\x32\x19.maskwire.v1.LogprobsMode\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x7f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0e\n\x06\x66orced\x18\x04 \x01(\x08\x12-\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x17.maskwire.v1.TopLogprob\"\xae\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.maskwire.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.maskwire.v1.Usage\x12\x13\n\x0bstop_string\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x30\n\rschema_report\x18\x08 \x01(\x0b\x32\x19.maskwire.v1.SchemaReport\x12+\n\x08logprobs\x18\t \x03(\x0b\x32\x19.maskwire.v1.TokenLogprob\x12\r\n\x05index\x18\n \x01(\r\"\xbb\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rforced_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x66orward_passes\x18\x04 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x06 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xa6\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0blogits_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x11\n\teos_token\x18\x06 \x01(\t\x12\x11\n\tbos_token\x18\x07 \x01(\t\x12\x15\n\rchat_template\x18\x08 \x01(\t\x12\x1a\n\x12structured_outputs\x18\t \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x34\n\ttokenizer\x18\x0b \x01(\x0b\x32!.maskwire.v1.TokenizerFingerprint\x12\x16\n\x0emax_batch_size\x18\x0c \x01(\r*a\n\x0cLogprobsMode\x12\x1d\n\x19LOGPROBS_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17LOGPROBS_MODE_PROCESSED\x10\x01\x12\x15\n\x11LOGPROBS_MODE_RAW\x10\x02*\xb0\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\xdd\x01\n\x06Worker\x12I\n\x08Generate\x12\x1c.maskwire.v1.GenerateRequest\x1a\x1d.maskwire.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.maskwire.v1.AbortRequest\x1a\x1a.maskwire.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .maskwire.v1.GetModelInfoRequest\x1a\x16.maskwire.v1.ModelInfoB<\n\x0f\x64\x65v.maskwire.v1P\x01Z\'maskwire.dev/gen/maskwire/v1;maskwirev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,34 +35,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\017dev.maskwire.v1P\001Z\'maskwire.dev/gen/maskwire/v1;maskwirev1'
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_LOGPROBSMODE']._serialized_start=1916
-  _globals['_LOGPROBSMODE']._serialized_end=2013
-  _globals['_FINISHREASON']._serialized_start=2016
-  _globals['_FINISHREASON']._serialized_end=2192
+  _globals['_LOGPROBSMODE']._serialized_start=1936
+  _globals['_LOGPROBSMODE']._serialized_end=2033
+  _globals['_FINISHREASON']._serialized_start=2036
+  _globals['_FINISHREASON']._serialized_end=2212
   _globals['_GENERATEREQUEST']._serialized_start=68
-  _globals['_GENERATEREQUEST']._serialized_end=352
-  _globals['_TOKENIDS']._serialized_start=354
-  _globals['_TOKENIDS']._serialized_end=377
-  _globals['_SAMPLINGPARAMS']._serialized_start=380
-  _globals['_SAMPLINGPARAMS']._serialized_end=838
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=781
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=829
-  _globals['_TOPLOGPROB']._serialized_start=840
-  _globals['_TOPLOGPROB']._serialized_end=902
-  _globals['_TOKENLOGPROB']._serialized_start=904
-  _globals['_TOKENLOGPROB']._serialized_end=1031
-  _globals['_GENERATERESPONSE']._serialized_start=1034
-  _globals['_GENERATERESPONSE']._serialized_end=1336
-  _globals['_USAGE']._serialized_start=1339
-  _globals['_USAGE']._serialized_end=1526
-  _globals['_ABORTREQUEST']._serialized_start=1528
-  _globals['_ABORTREQUEST']._serialized_end=1562
-  _globals['_ABORTRESPONSE']._serialized_start=1564
-  _globals['_ABORTRESPONSE']._serialized_end=1594
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1596
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1617
-  _globals['_MODELINFO']._serialized_start=1620
-  _globals['_MODELINFO']._serialized_end=1914
-  _globals['_WORKER']._serialized_start=2195
-  _globals['_WORKER']._serialized_end=2416
+  _globals['_GENERATEREQUEST']._serialized_end=372
+  _globals['_TOKENIDS']._serialized_start=374
+  _globals['_TOKENIDS']._serialized_end=397
+  _globals['_SAMPLINGPARAMS']._serialized_start=400
+  _globals['_SAMPLINGPARAMS']._serialized_end=858
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=801
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=849
+  _globals['_TOPLOGPROB']._serialized_start=860
+  _globals['_TOPLOGPROB']._serialized_end=922
+  _globals['_TOKENLOGPROB']._serialized_start=924
+  _globals['_TOKENLOGPROB']._serialized_end=1051
+  _globals['_GENERATERESPONSE']._serialized_start=1054
+  _globals['_GENERATERESPONSE']._serialized_end=1356
+  _globals['_USAGE']._serialized_start=1359
+  _globals['_USAGE']._serialized_end=1546
+  _globals['_ABORTREQUEST']._serialized_start=1548
+  _globals['_ABORTREQUEST']._serialized_end=1582
+  _globals['_ABORTRESPONSE']._serialized_start=1584
+  _globals['_ABORTRESPONSE']._serialized_end=1614
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1616
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1637
+  _globals['_MODELINFO']._serialized_start=1640
+  _globals['_MODELINFO']._serialized_end=1934
+  _globals['_WORKER']._serialized_start=2215
+  _globals['_WORKER']._serialized_end=2436
 # @@protoc_insertion_point(module_scope)

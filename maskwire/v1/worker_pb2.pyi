@@ -33,7 +33,7 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "constraint", "model", "reasoning_end_marker", "n", "disable_speculation")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "constraint", "model", "reasoning_end_marker", "n", "disable_speculation", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class GenerateRequest(_message.Message):
     REASONING_END_MARKER_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     DISABLE_SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -52,7 +53,8 @@ class GenerateRequest(_message.Message):
     reasoning_end_marker: str
     n: int
     disable_speculation: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., model: _Optional[str] = ..., reasoning_end_marker: _Optional[str] = ..., n: _Optional[int] = ..., disable_speculation: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., model: _Optional[str] = ..., reasoning_end_marker: _Optional[str] = ..., n: _Optional[int] = ..., disable_speculation: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

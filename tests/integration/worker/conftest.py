@@ -124,6 +124,7 @@ async def generate(
     *,
     disable_speculation: bool = False,
     started: asyncio.Event | None = None,
+    cache_salt: str = "",
     **sampling: Any,
 ) -> Result:
     """Run one request to its end; `started` is set when its first tokens arrive."""
@@ -132,6 +133,7 @@ async def generate(
         text=prompt,
         sampling=worker_pb2.SamplingParams(**sampling),
         disable_speculation=disable_speculation,
+        cache_salt=cache_salt,
     )
     if constraint is not None:
         req.constraint.CopyFrom(constraint)

@@ -168,3 +168,17 @@ async def test_n_choices_share_a_reused_prompt(services: Services) -> None:
     assert all(ids[i] == plain.ids for i in range(3)), ids
     n = single.final.usage.prompt_tokens
     assert all(f.usage.cached_prompt_tokens == n - 1 for f in finals.values())
+
+
+async def test_a_prompt_cached_under_another_salt_is_computed_again(services: Services) -> None:
+    """Tenants (cache salts) never reuse each other's prompts, which would show in their
+    response times; within a tenant they do."""
+    prompt = SYSTEM + chat("Where is your office in Singapore?")
+    async with channel(services.cached.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        a = await generate(stub, prompt, cache_salt="tenant-a", max_tokens=12)
+        b = await generate(stub, prompt, cache_salt="tenant-b", max_tokens=12)
+        a_again = await generate(stub, prompt, cache_salt="tenant-a", max_tokens=12)
+    n = a.final.usage.prompt_tokens
+    assert [cached_tokens(r) for r in (a, b, a_again)] == [0, 0, n - 1]
+    assert a.ids == b.ids == a_again.ids

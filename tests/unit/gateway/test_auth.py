@@ -232,6 +232,29 @@ def test_each_choice_counts_against_the_key(fake: FakeWorkerServer) -> None:
 
 
 # ------------------------------------------------------------------------------ key loading
+def test_each_key_has_its_own_prefix_cache(secured: TestClient, fake: FakeWorkerServer) -> None:
+    """The worker sees a cache salt per API key, ahead of the request's own: one tenant's
+    requests never reuse (or time) another's cached prompts."""
+    salts = []
+    for key, extra in ((KEY_A, {}), (KEY_B, {}), (KEY_A, {"cache_salt": "team-1"})):
+        sdk(secured, key).chat.completions.create(model=MODEL, messages=USER, extra_body=extra)
+        salts.append(fake.worker.requests[-1].cache_salt)
+    sdk(secured, KEY_B).completions.create(model=MODEL, prompt="hi")
+    salts.append(fake.worker.requests[-1].cache_salt)
+    assert salts == ["key0:", "key1:", "key0:team-1", "key1:"]
+
+
+def test_without_keys_the_request_salt_is_passed_as_is(fake: FakeWorkerServer) -> None:
+    with gateway(fake) as tc:
+        body = {"model": MODEL, "messages": USER}
+        assert tc.post("/v1/chat/completions", json=body).is_success
+        assert fake.worker.requests[-1].cache_salt == ""
+        assert tc.post("/v1/chat/completions", json={**body, "cache_salt": "t"}).is_success
+        assert fake.worker.requests[-1].cache_salt == "t"
+        r = tc.post("/v1/chat/completions", json={**body, "cache_salt": "x" * 201})
+        assert r.status_code == 422 and "cache_salt" in r.text
+
+
 def test_load_keys_from_flags_files_and_env(tmp_path: Path) -> None:
     f = tmp_path / "keys"
     f.write_text(f"# gateway keys\n{KEY_A}\n\n  {KEY_B}  \n")

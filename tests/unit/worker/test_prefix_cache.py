@@ -72,3 +72,18 @@ def test_disabled_it_holds_nothing() -> None:
     cache.hold(0, [*SYSTEM, 1])
     assert cache.held(0) == []
     assert cache.plan([*SYSTEM, 1], [0, 1]) == Reuse(0, 0)
+
+
+def test_a_prompt_cached_under_another_salt_is_neither_reused_nor_copied() -> None:
+    cache = PrefixCache(3)
+    cache.take([*SYSTEM, 1], [0], salt="tenant-a")
+    cache.hold(0, [*SYSTEM, 1])
+    cache.release(0)
+    cache.take([*SYSTEM, 2], [1], salt="tenant-a")  # running, holds SYSTEM too
+    cache.hold(1, [*SYSTEM, 2])
+    assert cache.plan([*SYSTEM, 3], [0, 2], salt="tenant-b") == Reuse(2, 0)
+    assert cache.plan([*SYSTEM, 3], [0, 2]) == Reuse(2, 0)  # no salt is a salt of its own
+    assert cache.plan([*SYSTEM, 3], [0, 2], salt="tenant-a") == Reuse(0, len(SYSTEM))
+    # Taken by another tenant, slot 0 is that tenant's: only the running slot 1 serves a.
+    cache.take([*SYSTEM, 4], [0], salt="tenant-b")
+    assert cache.plan([*SYSTEM, 1], [0, 2], salt="tenant-a") == Reuse(2, len(SYSTEM), 1)

@@ -17,7 +17,7 @@ from maskwire.rpc import RpcError
 from maskwire.tokenizer import load_tokenizer
 from maskwire.v1 import worker_pb2
 from neuron_worker.config import PromptLimits
-from neuron_worker.servicer import MAX_REQUEST_ID_CHARS, WorkerServicer
+from neuron_worker.servicer import MAX_CACHE_SALT_CHARS, MAX_REQUEST_ID_CHARS, WorkerServicer
 
 TOK = load_tokenizer("default")
 MAX_SEQ = 256
@@ -111,6 +111,9 @@ async def test_huge_repeated_and_string_fields(servicer: WorkerServicer) -> None
         assert err.violations[0][0] == "request_id" and "unprintable" in err.violations[0][1]
     await servicer._build(gen(request_id="chatcmpl-0f3e:ok.id_1 ü"))
     assert (await servicer._build(gen())).request_id  # empty: the worker assigns one
+    err = await refused(servicer, gen(cache_salt="s" * (MAX_CACHE_SALT_CHARS + 1)))
+    assert err.violations[0][0] == "cache_salt"
+    assert (await servicer._build(gen(cache_salt="tenant-1"))).cache_salt == "tenant-1"
     err = await refused(servicer, gen(model="m" * 5_000_000))
     assert err.code is grpc.StatusCode.NOT_FOUND and len(err.message) < 1000
 
