@@ -1,0 +1,205 @@
+"""The worker's prefix cache on and off, on a workload that shares a long system prompt.
+
+Requests like an assistant's or an agent's: the same ~500-token system prompt (a policy
+document and a JSON answer format), then each request's own question (numbered as a ticket, so no
+two requests of a run share more than the system prompt); greedy, `--max-tokens`
+new tokens, through the gateway's OpenAI-compatible API with streaming, constrained to a JSON
+schema and not. c1: the 8 questions one after another; c8: all 8 at once. Two `maskwire up`
+stacks (the defaults, and `--worker-arg=--no-prefix-cache`) are up at once and measured in the
+order A B, B A, ... per round, so drifting load falls on both alike. Reports per figure the
+medians and the ratio on / off by round: TTFT, request time and, from the usage chunks, the
+prompt tokens the cache held (`usage.prompt_tokens_details.cached_tokens`).
+
+Writes bench/results/<name>.json. Never part of CI: it needs a quiet machine.
+Usage: python bench/prefix_cache.py [--rounds 4] [--max-tokens 32] [--name prefix_cache]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from neighbour import Server, cpu_model, start_maskwire
+from vs_vllm import cpu_features
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+POLICY = " ".join(
+    f"Rule {i}: when a customer asks about {topic}, check the booking first, quote the tariff "
+    f"sheet for {topic}, never guess a date, and say which office handles {topic}."
+    for i, topic in enumerate(
+        (
+            "container sizes",
+            "reefer cargo",
+            "dangerous goods",
+            "customs papers",
+            "port fees",
+            "demurrage",
+            "insurance",
+            "tracking",
+            "delays",
+            "claims",
+            "invoices",
+            "refunds",
+        ),
+        start=1,
+    )
+)
+SYSTEM = (
+    "You are the assistant of a shipping company that moves containers between Rotterdam, "
+    f"Singapore and Los Angeles. {POLICY} Answer as JSON with the fields answer and office."
+)
+QUESTIONS = [
+    "Can I ship lithium batteries to Singapore?",
+    "How much is a 40-foot container to Los Angeles?",
+    "My container is late, what do I do?",
+    "Which papers do I need for customs in Rotterdam?",
+    "Do you insure frozen fish?",
+    "How do I track my booking?",
+    "Who refunds a cancelled booking?",
+    "What is demurrage?",
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 120}, "office": {"type": "string"}},
+    "required": ["answer", "office"],
+    "additionalProperties": False,
+}
+
+
+def ask(server: Server, question: str, constrained: bool, max_tokens: int) -> dict[str, float]:
+    body: dict[str, Any] = {
+        "model": server.model,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if constrained:
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": SCHEMA},
+        }
+    req = urllib.request.Request(
+        f"{server.base}/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    began = time.perf_counter()
+    first: float | None = None
+    usage: dict[str, Any] = {}
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("delta", {}).get("content"):
+                first = first or time.perf_counter()
+            usage = chunk.get("usage") or usage
+    end = time.perf_counter()
+    details = usage.get("prompt_tokens_details") or {}
+    return {
+        "ttft_ms": 1e3 * ((first or end) - began),
+        "request_ms": 1e3 * (end - began),
+        "prompt_tokens": float(usage.get("prompt_tokens", 0)),
+        "cached_tokens": float(details.get("cached_tokens", 0)),
+    }
+
+
+def tickets(start: int) -> list[str]:
+    """The questions, each as a new ticket: every request's own part is new to the cache."""
+    return [f"Ticket {start + i}: {q}" for i, q in enumerate(QUESTIONS)]
+
+
+def workload(server: Server, max_tokens: int, ticket: int) -> dict[str, float]:
+    """c1 and c8, unconstrained and constrained, on tickets from `ticket` on."""
+    out: dict[str, float] = {}
+    for constrained in (False, True):
+        kind = "constrained" if constrained else "unconstrained"
+        questions = tickets(ticket)
+        ticket += 2 * len(QUESTIONS)
+        c1 = [ask(server, q, constrained, max_tokens) for q in questions]
+        out[f"c1_{kind}_ttft_ms"] = statistics.median(r["ttft_ms"] for r in c1)
+        out[f"c1_{kind}_request_ms"] = statistics.median(r["request_ms"] for r in c1)
+        out[f"c1_{kind}_cached_share"] = sum(r["cached_tokens"] for r in c1) / sum(
+            r["prompt_tokens"] for r in c1
+        )
+        began = time.perf_counter()
+        with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+            jobs = [
+                pool.submit(ask, server, q, constrained, max_tokens)
+                for q in tickets(ticket - len(QUESTIONS))
+            ]
+            c8 = [job.result() for job in jobs]
+        out[f"c8_{kind}_wall_ms"] = 1e3 * (time.perf_counter() - began)
+        out[f"c8_{kind}_ttft_ms"] = statistics.median(r["ttft_ms"] for r in c8)
+        out[f"c8_{kind}_cached_share"] = sum(r["cached_tokens"] for r in c8) / sum(
+            r["prompt_tokens"] for r in c8
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--name", default="prefix_cache")
+    a = ap.parse_args()
+    stacks = {
+        "on": start_maskwire([], None),
+        "off": start_maskwire(["--worker-arg=--no-prefix-cache"], None),
+    }
+    rounds: list[dict[str, dict[str, float]]] = []
+    try:
+        for server in stacks.values():  # warm-up: grammar compiles, first passes
+            ask(server, QUESTIONS[0], True, 4)
+        for i in range(a.rounds):
+            order = ("on", "off") if i % 2 == 0 else ("off", "on")
+            ticket = 1000 * (i + 1)  # both stacks get the same questions in a round
+            rounds.append({v: workload(stacks[v], a.max_tokens, ticket) for v in order})
+            print(f"round {i + 1}/{a.rounds}: {json.dumps(rounds[-1])}", flush=True)
+    finally:
+        for server in stacks.values():
+            server.stop()
+    keys = list(rounds[0]["on"])
+    median = {v: {k: statistics.median(r[v][k] for r in rounds) for k in keys} for v in stacks}
+    ratio = {
+        k: [r["on"][k] / r["off"][k] for r in rounds if r["off"][k]]
+        for k in keys
+        if "cached" not in k
+    }
+    out = {
+        "median": median,
+        "ratio_on_over_off": {k: statistics.median(v) for k, v in ratio.items()},
+        "ratio_by_round": ratio,
+        "rounds": rounds,
+        "max_tokens": a.max_tokens,
+        "load_avg": os.getloadavg(),
+        "cpu": cpu_features(),
+        "cpu_model": cpu_model(),
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{a.name}.json").write_text(json.dumps(out, indent=1) + "\n")
+    print("| figure | cache on | cache off | on / off |")
+    print("| --- | --- | --- | --- |")
+    for k in keys:
+        r = out["ratio_on_over_off"].get(k)
+        print(
+            f"| {k} | {median['on'][k]:.2f} | {median['off'][k]:.2f} | "
+            f"{'' if r is None else f'{r:.2f}'} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
