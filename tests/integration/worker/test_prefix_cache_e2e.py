@@ -3,7 +3,9 @@ the CPU has them, the dense prompt pass): a prompt that starts like one a KV slo
 only its new tokens, reports the rest as `cached_prompt_tokens`, and answers exactly what a
 worker without the cache answers, whether the prefix is reused in place (a repeated request), or
 copied from the slot of a request still running (a shared system prompt), constrained or not,
-with n > 1."""
+with n > 1, and per cache salt. Two workers start for it: a slow suite (the default run checks
+reuse through the gateway's shared stack, `cached_tokens` and the same answers, and the engine
+against its fake model)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ SYSTEM = (
     "never promise a delivery date you cannot check.<|im_end|>\n"
 )
 TOK = load_tokenizer("default")
+
+pytestmark = pytest.mark.slow
 
 
 def reused_tokens(port: int) -> float:
