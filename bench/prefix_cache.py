@@ -10,13 +10,15 @@ order A B, B A, ... per round, so drifting load falls on both alike. Reports per
 medians and the ratio on / off by round: TTFT, request time and, from the usage chunks, the
 prompt tokens the cache held (`usage.prompt_tokens_details.cached_tokens`).
 
-Writes bench/results/<name>.json. Never part of CI: it needs a quiet machine.
+Writes bench/results/<name>.json and, where matplotlib is installed, <name>.png. Never part of
+CI: it needs a quiet machine.
 Usage: python bench/prefix_cache.py [--rounds 4] [--max-tokens 32] [--name prefix_cache]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -191,6 +193,8 @@ def main() -> None:
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{a.name}.json").write_text(json.dumps(out, indent=1) + "\n")
+    with contextlib.suppress(ImportError):
+        plot(out, RESULTS / f"{a.name}.png")
     print("| figure | cache on | cache off | on / off |")
     print("| --- | --- | --- | --- |")
     for k in keys:
@@ -199,6 +203,26 @@ def main() -> None:
             f"| {k} | {median['on'][k]:.2f} | {median['off'][k]:.2f} | "
             f"{'' if r is None else f'{r:.2f}'} |"
         )
+
+
+def plot(out: dict[str, Any], path: Path) -> None:
+    """Each time figure's on / off ratio by round (dots) and their median (bar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(out["ratio_on_over_off"])
+    fig, ax = plt.subplots(figsize=(1.1 * len(keys) + 2, 4.5))
+    ax.bar(range(len(keys)), [out["ratio_on_over_off"][k] for k in keys], color="#2a7fbf")
+    for i, k in enumerate(keys):
+        ax.plot([i] * len(out["ratio_by_round"][k]), out["ratio_by_round"][k], "o", color="#333")
+    ax.axhline(1.0, color="#999999", lw=0.8)
+    ax.set_xticks(range(len(keys)), keys, rotation=35, ha="right", fontsize=7)
+    ax.set_ylabel("prefix cache on / off")
+    fig.suptitle(f"{out['cpu_model']}, {len(out['rounds'])} rounds", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
