@@ -208,6 +208,21 @@ def start_llama_server(binary: Path, max_tokens: int, cgroup: Any) -> Server:
 
 
 # ------------------------------------------------------------------ workload
+def chat_chunks(server: Server, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """POST a streamed chat completion `body` to `server`; its SSE chunks, parsed, as they
+    arrive."""
+    req = urllib.request.Request(
+        f"{server.base}/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                yield json.loads(line[5:])
+
+
 def one_request(
     server: Server,
     prompt: str,
@@ -235,32 +250,22 @@ def one_request(
         }
     else:
         body["ignore_eos"] = True
-    req = urllib.request.Request(
-        f"{server.base}/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
     began = time.perf_counter()
     first: float | None = None
     pieces = 0
     text = []
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            choices = chunk.get("choices") or []
-            delta = choices[0].get("delta", {}).get("content") if choices else None
-            if delta:
-                if arrivals is not None:
-                    arrivals.append(time.monotonic())
-                first = first or time.perf_counter()
-                pieces += 1
-                text.append(delta)
-            usage = chunk.get("usage")
-            if usage:
-                pieces = max(pieces, int(usage.get("completion_tokens") or 0))
+    for chunk in chat_chunks(server, body):
+        choices = chunk.get("choices") or []
+        delta = choices[0].get("delta", {}).get("content") if choices else None
+        if delta:
+            if arrivals is not None:
+                arrivals.append(time.monotonic())
+            first = first or time.perf_counter()
+            pieces += 1
+            text.append(delta)
+        usage = chunk.get("usage")
+        if usage:
+            pieces = max(pieces, int(usage.get("completion_tokens") or 0))
     end = time.perf_counter()
     tokens = pieces
     decode_s = end - (first or end)

@@ -23,12 +23,11 @@ import json
 import os
 import statistics
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from neighbour import Server, cpu_model, start_maskwire
+from neighbour import Server, chat_chunks, cpu_model, start_maskwire
 from vs_vllm import cpu_features
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,24 +90,14 @@ def ask(server: Server, question: str, constrained: bool, max_tokens: int) -> di
             "type": "json_schema",
             "json_schema": {"name": "answer", "schema": SCHEMA},
         }
-    req = urllib.request.Request(
-        f"{server.base}/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
     began = time.perf_counter()
     first: float | None = None
     usage: dict[str, Any] = {}
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            choices = chunk.get("choices") or []
-            if choices and choices[0].get("delta", {}).get("content"):
-                first = first or time.perf_counter()
-            usage = chunk.get("usage") or usage
+    for chunk in chat_chunks(server, body):
+        choices = chunk.get("choices") or []
+        if choices and choices[0].get("delta", {}).get("content"):
+            first = first or time.perf_counter()
+        usage = chunk.get("usage") or usage
     end = time.perf_counter()
     details = usage.get("prompt_tokens_details") or {}
     return {
