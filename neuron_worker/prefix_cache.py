@@ -68,14 +68,12 @@ class PrefixCache:
         """The slot among `free` (non-empty) a new request with `prompt` and cache `salt` would
         take, and the prefix it would reuse; changes nothing."""
         tokens = np.asarray(prompt, dtype=np.int64)
-        limit = len(tokens) - 1
-        own = {s: self._match(s, tokens, limit, salt) for s in free}
-        slot = max(free, key=lambda s: (own[s], -self._used[s]))
-        best = max(range(len(self._held)), key=lambda s: self._match(s, tokens, limit, salt))
-        length = self._match(best, tokens, limit, salt)
-        if self.copies and best != slot and length - own[slot] >= MIN_COPY:
-            return Reuse(min(free, key=lambda s: self._used[s]), length, best)
-        return Reuse(slot, own[slot])
+        held = [self._match(s, tokens, len(tokens) - 1, salt) for s in range(len(self._held))]
+        slot = max(free, key=lambda s: (held[s], -self._used[s]))
+        best = max(range(len(held)), key=held.__getitem__)
+        if self.copies and held[best] - held[slot] >= MIN_COPY:
+            return Reuse(min(free, key=lambda s: self._used[s]), held[best], best)
+        return Reuse(slot, held[slot])
 
     def take(self, prompt: Sequence[int], free: Sequence[int], salt: str = "") -> Reuse:
         """:meth:`plan`, and the slot taken: until its prompt pass has run it holds only the
