@@ -4,7 +4,8 @@ Requests like an assistant's or an agent's: the same ~500-token system prompt (a
 document and a JSON answer format), then each request's own question (numbered as a ticket, so no
 two requests of a run share more than the system prompt); greedy, `--max-tokens`
 new tokens, through the gateway's OpenAI-compatible API with streaming, constrained to a JSON
-schema and not. c1: the 8 questions one after another; c8: all 8 at once. Two `maskwire up`
+schema and not. c1: the 8 questions one after another; c8: all 8 at once; c8 cold: all 8 at
+once under a system prompt no KV slot holds (a new desk number up front). Two `maskwire up`
 stacks (the defaults, and `--worker-arg=--no-prefix-cache`) are up at once and measured in the
 order A B, B A, ... per round, so drifting load falls on both alike. Reports per figure the
 medians and the ratio on / off by round: TTFT, request time and, from the usage chunks, the
@@ -76,10 +77,12 @@ SCHEMA = {
 }
 
 
-def ask(server: Server, question: str, constrained: bool, max_tokens: int) -> dict[str, float]:
+def ask(
+    server: Server, question: str, constrained: bool, max_tokens: int, system: str = SYSTEM
+) -> dict[str, float]:
     body: dict[str, Any] = {
         "model": server.model,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -113,31 +116,44 @@ def tickets(start: int) -> list[str]:
     return [f"Ticket {start + i}: {q}" for i, q in enumerate(QUESTIONS)]
 
 
+def concurrently(
+    server: Server, questions: list[str], constrained: bool, max_tokens: int, system: str = SYSTEM
+) -> tuple[float, list[dict[str, float]]]:
+    """All `questions` at once: the job's wall time (ms) and each request's figures."""
+    began = time.perf_counter()
+    with ThreadPoolExecutor(len(questions)) as pool:
+        jobs = [pool.submit(ask, server, q, constrained, max_tokens, system) for q in questions]
+        results = [job.result() for job in jobs]
+    return 1e3 * (time.perf_counter() - began), results
+
+
+def cached_share(results: list[dict[str, float]]) -> float:
+    return sum(r["cached_tokens"] for r in results) / sum(r["prompt_tokens"] for r in results)
+
+
 def workload(server: Server, max_tokens: int, ticket: int) -> dict[str, float]:
-    """c1 and c8, unconstrained and constrained, on tickets from `ticket` on."""
+    """c8 on a system prompt no slot holds (cold), then c1 and c8 on the shared one,
+    unconstrained and constrained, on tickets from `ticket` on."""
     out: dict[str, float] = {}
     for constrained in (False, True):
         kind = "constrained" if constrained else "unconstrained"
+        # A new desk number up front: no slot holds any of this system prompt.
+        cold_system = f"Desk {ticket}. {SYSTEM}"
+        wall, cold = concurrently(server, tickets(ticket), constrained, max_tokens, cold_system)
+        out[f"c8_cold_{kind}_wall_ms"] = wall
+        out[f"c8_cold_{kind}_ttft_ms"] = statistics.median(r["ttft_ms"] for r in cold)
+        out[f"c8_cold_{kind}_cached_share"] = cached_share(cold)
+        ticket += len(QUESTIONS)
         questions = tickets(ticket)
         ticket += 2 * len(QUESTIONS)
         c1 = [ask(server, q, constrained, max_tokens) for q in questions]
         out[f"c1_{kind}_ttft_ms"] = statistics.median(r["ttft_ms"] for r in c1)
         out[f"c1_{kind}_request_ms"] = statistics.median(r["request_ms"] for r in c1)
-        out[f"c1_{kind}_cached_share"] = sum(r["cached_tokens"] for r in c1) / sum(
-            r["prompt_tokens"] for r in c1
-        )
-        began = time.perf_counter()
-        with ThreadPoolExecutor(len(QUESTIONS)) as pool:
-            jobs = [
-                pool.submit(ask, server, q, constrained, max_tokens)
-                for q in tickets(ticket - len(QUESTIONS))
-            ]
-            c8 = [job.result() for job in jobs]
-        out[f"c8_{kind}_wall_ms"] = 1e3 * (time.perf_counter() - began)
+        out[f"c1_{kind}_cached_share"] = cached_share(c1)
+        wall, c8 = concurrently(server, tickets(ticket - len(QUESTIONS)), constrained, max_tokens)
+        out[f"c8_{kind}_wall_ms"] = wall
         out[f"c8_{kind}_ttft_ms"] = statistics.median(r["ttft_ms"] for r in c8)
-        out[f"c8_{kind}_cached_share"] = sum(r["cached_tokens"] for r in c8) / sum(
-            r["prompt_tokens"] for r in c8
-        )
+        out[f"c8_{kind}_cached_share"] = cached_share(c8)
     return out
 
 

@@ -11,7 +11,9 @@ call of the client furthest over its share, which is refused as if the queue had
 it came (RESOURCE_EXHAUSTED). A free slot goes to the oldest waiting request of the client with
 the fewest running requests, between equals to the one admitted least recently (first come,
 first served for a single client). Which free slot a request takes is the prefix cache's choice
-(`neuron_worker.prefix_cache`): the one holding the most of its prompt.
+(`neuron_worker.prefix_cache`): the one holding the most of its prompt. A request that shares a
+longer prefix with one admitted in the same turn waits for that one's prompt pass and copies
+the prefix in the next turn (`PrefixCache.worth_waiting`); the requests behind it go ahead.
 """
 
 from __future__ import annotations
@@ -142,11 +144,15 @@ class Scheduler:
         """Move waiting requests into free slots within the prefill token budget: the oldest
         request of the client with the fewest running ones first (FIFO for one client)."""
         admitted: list[Request] = []
+        coming: list[tuple[Sequence[int], str]] = []  # the admitted prompts, not computed yet
+        later: set[int] = set()  # requests (by id) that wait for one of those
         longest = 0
         prefill_rows = 0
         running = Counter(r.peer for r in self.running)
-        while self.waiting and self._free_slots:
-            at = self._next_waiting(running)
+        while self._free_slots:
+            at = self._next_waiting(running, later)
+            if at is None:
+                break
             req = self.waiting[at]
             # The choices of an n > 1 call are admitted together (one prefill row for them all).
             group = [req]
@@ -159,6 +165,9 @@ class Scheduler:
             if len(group) > len(self._free_slots):
                 break
             reused = self.prefixes.plan(req.prompt, self._free_slots, req.cache_salt).length
+            if self.prefixes.worth_waiting(req.prompt, req.cache_salt, reused, coming):
+                later.update(id(member) for member in group)
+                continue
             longest_next = max(longest, len(req.prompt) - reused)
             rows = self.batch_bucket(min(prefill_rows + 1, self.batch_buckets[-1]))
             if admitted and rows * prefill_len(longest_next) > self.max_prefill_tokens:
@@ -176,19 +185,23 @@ class Scheduler:
                 member.state = State.RUNNING
                 self.running.append(member)
                 admitted.append(member)
+            coming.append((req.prompt, req.cache_salt))
             prefill_rows += 1
             longest = longest_next
         if len(self._admitted_at) > len(running):  # forget clients with nothing running
             self._admitted_at = {p: n for p, n in self._admitted_at.items() if running[p]}
         return admitted
 
-    def _next_waiting(self, running: Counter[str]) -> int:
+    def _next_waiting(self, running: Counter[str], later: set[int]) -> int | None:
         """Index in the queue of the request admitted next: the oldest one of the client with
         the fewest running requests (`running`, by peer), between equals of the one admitted
-        least recently."""
+        least recently; None when every waiting request waits for a later turn (`later`)."""
         first: dict[str, int] = {}
         for i, r in enumerate(self.waiting):
-            first.setdefault(r.peer, i)
+            if id(r) not in later:
+                first.setdefault(r.peer, i)
+        if not first:
+            return None
         at = self._admitted_at
         return first[min(first, key=lambda p: (running[p], at.get(p, 0), first[p]))]
 

@@ -2,7 +2,8 @@
 the CPU has them, the dense prompt pass): a prompt that starts like one a KV slot holds computes
 only its new tokens, reports the rest as `cached_prompt_tokens`, and answers exactly what a
 worker without the cache answers, whether the prefix is reused in place (a repeated request), or
-copied from the slot of a request still running (a shared system prompt), constrained or not,
+copied from the slot of a request still running (a shared system prompt) or from one sent at the
+same time, constrained or not,
 with n > 1, and per cache salt. Two workers start for it: a slow suite (the default run checks
 reuse through the gateway's shared stack, `cached_tokens` and the same answers, and the engine
 against its fake model)."""
@@ -140,6 +141,31 @@ async def test_a_prefix_held_by_a_running_request_is_copied(services: Services) 
     assert reused_tokens(port) - before == cached_tokens(a) + cached_tokens(b)
     assert a.ids == a_plain.ids, (a.text, a_plain.text)
     assert b.ids == b_plain.ids, (b.text, b_plain.text)
+
+
+async def test_requests_sent_together_compute_a_new_system_prompt_once(
+    services: Services,
+) -> None:
+    """Three requests with a system prompt no slot holds, sent at once: one computes it, the
+    others copy it from that one's slot (they wait for its prompt pass rather than compute it
+    beside it), and every answer is the plain worker's."""
+    system = SYSTEM.replace("shipping company", "ferry line")
+    prompts = [system + chat(q) for q in ("Do you take cars?", "Is there Wi-Fi?", "Pets?")]
+    cached, plain, port, _ = services
+    before = reused_tokens(port)
+    async with channel(cached.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        together = await asyncio.gather(*(generate(stub, p, max_tokens=16) for p in prompts))
+    async with channel(plain.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        alone = [await generate(stub, p, max_tokens=16) for p in prompts]
+    system_tokens = len(TOK.encode(system))
+    reused = sorted(cached_tokens(r) for r in together)
+    # The first may reuse the few tokens every system prompt starts with, in place.
+    assert reused[0] < 16 and all(n >= system_tokens - 2 for n in reused[1:]), reused
+    assert reused_tokens(port) - before == sum(reused)
+    for got, want in zip(together, alone, strict=True):
+        assert got.ids == want.ids, (got.text, want.text)
 
 
 async def test_constrained_answers_reuse_the_prompt_too(services: Services) -> None:

@@ -756,6 +756,43 @@ async def test_prompts_reuse_the_prefix_a_slot_holds(enabled: bool, bucketed: bo
     assert stats.prompt_tokens_computed == 3 * len(a.prompt) - 1 - sum(cached)
 
 
+@pytest.mark.parametrize("enabled", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+async def test_requests_arriving_together_compute_a_shared_prefix_once(enabled: bool) -> None:
+    """A, B and C come in one admission window; B and C share 24 tokens with A: A's prompt pass
+    runs alone, then B and C copy the prefix from A's slot and compute only their own tokens.
+    Without the cache the three prompts run in one pass. The same outputs either way."""
+    engine, model = make_engine(
+        overlap=False, bucketed=False, prefix_cache=enabled, admit_window_s=0.5
+    )
+    starts: list[list[int]] = []
+
+    async def record(batch: ForwardBatch) -> None:
+        if batch.kind == "prefill":
+            starts.append([row.start for row in batch.rows])
+
+    before_each_pass(engine, record)
+    shared = NORMAL[10:34]
+    reqs = [
+        prompt_request(name, [*shared, NORMAL[50 + i], NORMAL[60 + i]])
+        for i, name in enumerate("abc")
+    ]
+    await engine.start()
+    try:
+        for req in reqs:
+            await engine.submit(req)
+        got = [await collect(req) for req in reqs]
+    finally:
+        await engine.stop()
+    for req, (ids, _, _) in zip(reqs, got, strict=True):
+        assert ids == reference(req.prompt, req.sampling.max_tokens, False, 9), req.request_id
+    cached = [final.usage.cached_prompt_tokens for _, _, final in got]
+    if not enabled:
+        assert starts == [[0, 0, 0]] and cached == [0, 0, 0] and not model.copies
+        return
+    assert starts == [[0], [24, 24]] and cached == [0, 24, 24]
+    assert len(model.copies) == 2 and all(length >= 24 for _, _, length in model.copies)
+
+
 async def test_abort_by_call_id_stops_every_choice() -> None:
     from neuron_worker.servicer import _choices
 

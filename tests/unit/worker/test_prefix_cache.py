@@ -87,3 +87,25 @@ def test_a_prompt_cached_under_another_salt_is_neither_reused_nor_copied() -> No
     # Taken by another tenant, slot 0 is that tenant's: only the running slot 1 serves a.
     cache.take([*SYSTEM, 4], [0], salt="tenant-b")
     assert cache.plan([*SYSTEM, 1], [0, 2], salt="tenant-a") == Reuse(2, len(SYSTEM), 1)
+
+
+def test_a_request_waits_for_a_prompt_pass_that_writes_more_of_its_prefix() -> None:
+    cache = PrefixCache(4)
+    coming = [([*SYSTEM, 1], "")]  # admitted this turn, its prompt pass not run yet
+    assert cache.worth_waiting([*SYSTEM, 2], "", 0, coming)
+    # What the pass adds to what the request reuses anyway must reach MIN_COPY.
+    assert cache.worth_waiting([*SYSTEM, 2], "", len(SYSTEM) - MIN_COPY, coming)
+    assert not cache.worth_waiting([*SYSTEM, 2], "", len(SYSTEM) - MIN_COPY + 1, coming)
+    assert not cache.worth_waiting([*SYSTEM[: MIN_COPY - 1], 2], "", 0, coming)
+    # Its own last token always runs: a prompt equal to the coming one shares all but that.
+    assert cache.worth_waiting([*SYSTEM, 1], "", 0, coming)
+    assert not cache.worth_waiting(SYSTEM[:MIN_COPY], "", 0, coming)
+    assert not cache.worth_waiting([*SYSTEM, 2], "", 0, [])
+
+
+def test_nothing_waits_across_salts_without_copies_or_disabled() -> None:
+    coming = [([*SYSTEM, 1], "tenant-a")]
+    assert PrefixCache(4).worth_waiting([*SYSTEM, 2], "tenant-a", 0, coming)
+    assert not PrefixCache(4).worth_waiting([*SYSTEM, 2], "tenant-b", 0, coming)
+    assert not PrefixCache(4, copies=False).worth_waiting([*SYSTEM, 2], "tenant-a", 0, coming)
+    assert not PrefixCache(4, enabled=False).worth_waiting([*SYSTEM, 2], "tenant-a", 0, coming)

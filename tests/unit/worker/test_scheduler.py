@@ -193,3 +193,37 @@ def test_the_prefill_budget_counts_only_the_tokens_a_prompt_computes() -> None:
     assert s.admit() == again
     assert again[0].reuse == Reuse(slot, 59)  # in place
     assert again[1].reuse.length == 59 and again[1].reuse.source == slot  # copied from it
+
+
+def test_a_request_sharing_a_prefix_with_one_admitted_waits_for_its_prompt_pass() -> None:
+    """Three requests arrive together, two with the same 40-token system prompt: the second
+    waits a turn (the one behind it, sharing nothing, goes ahead) and then copies the prefix
+    the first one's prompt pass wrote instead of computing it in the same pass."""
+    s = sched(max_batch=4, max_queue=8)
+    system = list(range(100, 140))
+    first, second, other = make(0), make(1), make(2)
+    first.prompt, second.prompt, other.prompt = [*system, 1, 2], [*system, 3], [7, 8, 9]
+    for r in (first, second, other):
+        s.enqueue([r])
+    assert s.admit() == [first, other]
+    assert list(s.waiting) == [second]
+    s.prefixes.hold(first.slot, first.prompt)  # what the engine records after the pass
+    s.prefixes.hold(other.slot, other.prompt)
+    assert s.admit() == [second]
+    assert second.reuse == Reuse(second.slot, len(system), first.slot)
+
+
+def test_without_the_prefix_cache_requests_sharing_a_prefix_are_admitted_together() -> None:
+    s = Scheduler(
+        max_batch=4,
+        max_queue=8,
+        max_seq_len=256,
+        max_prefill_tokens=4096,
+        batch_buckets=pow2_buckets(1, 4),
+        seq_buckets=pow2_buckets(64, 256),
+        prefix_cache=False,
+    )
+    reqs = [make(i, n_prompt=40) for i in range(3)]
+    for r in reqs:
+        s.enqueue([r])
+    assert s.admit() == reqs
