@@ -97,6 +97,8 @@ class Request:
     slot: int = -1
     # The prompt prefix its slot holds at admission, or gets copied (`neuron_worker.prefix_cache`).
     reuse: Reuse = NO_REUSE
+    # It waited a turn for another prompt pass to write its prefix (at most once).
+    waited: bool = False
     output: list[int] = field(default_factory=list)
     pending: int | None = None
     verified: list[int] = field(default_factory=list)

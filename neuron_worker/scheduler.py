@@ -13,7 +13,8 @@ the fewest running requests, between equals to the one admitted least recently (
 first served for a single client). Which free slot a request takes is the prefix cache's choice
 (`neuron_worker.prefix_cache`): the one holding the most of its prompt. A request that shares a
 longer prefix with one admitted in the same turn waits for that one's prompt pass and copies
-the prefix in the next turn (`PrefixCache.worth_waiting`); the requests behind it go ahead.
+the prefix in the next turn (`PrefixCache.worth_waiting`; once per request); the requests behind
+it go ahead.
 """
 
 from __future__ import annotations
@@ -165,7 +166,11 @@ class Scheduler:
             if len(group) > len(self._free_slots):
                 break
             reused = self.prefixes.plan(req.prompt, self._free_slots, req.cache_salt).length
-            if self.prefixes.worth_waiting(req.prompt, req.cache_salt, reused, coming):
+            if not req.waited and self.prefixes.worth_waiting(
+                req.prompt, req.cache_salt, reused, coming
+            ):
+                # Once only: the slot it waits for may be taken before its next turn.
+                req.waited = True
                 later.update(id(member) for member in group)
                 continue
             longest_next = max(longest, len(req.prompt) - reused)

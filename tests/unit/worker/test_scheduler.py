@@ -227,3 +227,20 @@ def test_without_the_prefix_cache_requests_sharing_a_prefix_are_admitted_togethe
     for r in reqs:
         s.enqueue([r])
     assert s.admit() == reqs
+
+
+def test_a_request_waits_for_another_prompt_pass_once_only() -> None:
+    """Where the slot it waited for was taken in the meantime, it computes the prefix itself
+    rather than wait for the next request that shares it."""
+    s = sched(max_batch=4, max_queue=8)
+    system = list(range(100, 140))
+    first, second, third = make(0), make(1), make(2)
+    first.prompt, second.prompt, third.prompt = [*system, 1], [*system, 2], [*system, 3]
+    for r in (first, second):
+        s.enqueue([r])
+    assert s.admit() == [first]
+    s.release(first)  # it ended (or failed) before its prompt pass wrote anything
+    s.enqueue([third])
+    assert s.admit() == [second]  # no second wait, though third is new and shares it too
+    assert second.reuse.length == 0
+    assert list(s.waiting) == [third]  # third waits for second's pass: its first wait
