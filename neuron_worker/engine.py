@@ -85,8 +85,6 @@ class Engine:
             seq_buckets=config.seq_buckets,
             max_prefill_tokens=config.max_prefill_tokens,
             prefix_cache=config.prefix_cache,
-            # A static-shape backend would trace a graph for each copy between slots.
-            prefix_copies=not config.bucketed,
         )
         self.requests: dict[str, Request] = {}  # by request id (an n > 1 call's choices: `ID/i`)
         # Live Generate calls by the call's id: its one request, or every choice of an n > 1

@@ -76,7 +76,7 @@ class StepModel(Protocol):
 
     def setup_caches(self, max_batch: int, max_seq: int) -> None: ...
 
-    def copy_slot(self, src: int, dst: int, length: int) -> None: ...
+    def copy_slot(self, src: int | Tensor, dst: int | Tensor, length: int) -> None: ...
 
     def step_logits(
         self,
@@ -233,6 +233,19 @@ class ForwardRunner:
         return max(2, rows if per_row == 1 else outputs)
 
     # ------------------------------------------------------------------ running
+    def copy_prefixes(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Device thread: K/V prefix copies (source slot, destination slot, length) between
+        cache slots, in order. Bucketed, each copy is a graph of its own (cut before the pass
+        that follows, whose graph would otherwise change) with the slots as device tensors, so
+        one graph per length bucket serves every pair of slots (warmed up)."""
+        for src, dst, length in copies:
+            if not self.bucketed:
+                self.model.copy_slot(src, dst, length)
+                continue
+            slots = self.backend.to_device(torch.tensor([src, dst], dtype=torch.int64))
+            self.model.copy_slot(slots[:1], slots[1:], length)
+            self.backend.mark_step()
+
     def run(self, p: Pass) -> Tensor:
         """Device thread: logits [len(p.last), vocab] float32 (padding entries: garbage)."""
         if p.tokens.shape[1] > 1:
@@ -383,6 +396,11 @@ class ForwardRunner:
             role = " prefill" if prefill else ""
             on_graph(f"forward{role} rows={rows} tokens={tokens} kv_len={kv} logits={outputs}")
             count += 1
+        if self.bucketed:  # prefix copies (the prefix cache, n > 1): one graph per length
+            for length in self.seq_buckets:
+                self.copy_prefixes([(self.pad_slot, self.pad_slot, length)])
+                on_graph(f"prefix copy length={length}")
+                count += 1
         if self._cuda_graphs is not None:
             with self.backend.inference_mode():
                 count += self._cuda_graphs.capture(self._kv_positions(self.max_seq), on_graph)

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# A copy between slots costs a few eager copies per layer (~1 ms on CPU); below this many
-# tokens the prompt pass computes them instead.
+# A copy between slots costs a few copies per layer (~1 ms on CPU; a small graph on XLA); below
+# this many tokens the prompt pass computes them instead.
 MIN_COPY = 16
 
 
@@ -56,11 +56,8 @@ class PrefixCache:
     reuses them (module docstring). Disabled, it remembers nothing: a request takes the free
     slot used least recently and computes its whole prompt."""
 
-    def __init__(self, slots: int, *, enabled: bool = True, copies: bool = True) -> None:
-        """`copies`: whether a prefix may be copied between slots (else reused in place only:
-        a static-shape backend would trace a graph per copy)."""
+    def __init__(self, slots: int, *, enabled: bool = True) -> None:
         self.enabled = enabled
-        self.copies = copies
         self._held = [np.zeros(0, dtype=np.int64) for _ in range(slots)]
         self._salts = [""] * slots  # the cache salt of the request that wrote each slot's prompt
         self._used = [0] * slots  # when each slot was last taken or freed (a counter)
@@ -77,7 +74,7 @@ class PrefixCache:
         held = [self._match(s, tokens, len(tokens) - 1, salt) for s in range(len(self._held))]
         slot = max(free, key=lambda s: (held[s], -self._used[s]))
         best = max(range(len(held)), key=held.__getitem__)
-        if self.copies and held[best] - held[slot] >= MIN_COPY:
+        if held[best] - held[slot] >= MIN_COPY:
             return Reuse(min(free, key=lambda s: self._used[s]), held[best], best)
         return Reuse(slot, held[slot])
 
@@ -108,7 +105,7 @@ class PrefixCache:
         the prompt pass of `coming` (prompt and cache salt of each request admitted before it
         whose pass has not run): one of them writes at least `MIN_COPY` more tokens of its
         prefix, which it copies after that pass instead of computing them in the same one."""
-        if not (self.enabled and self.copies):
+        if not self.enabled:
             return False
         tokens = np.asarray(prompt, dtype=np.int64)
         limit = len(tokens) - 1

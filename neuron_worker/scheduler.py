@@ -76,10 +76,9 @@ class Scheduler:
         seq_buckets: Sequence[int],
         max_prefill_tokens: int,
         prefix_cache: bool = True,
-        prefix_copies: bool = True,
     ) -> None:
-        """`prefix_cache`: whether a prompt reuses the K/V a slot holds for its prefix;
-        `prefix_copies`: whether from another slot too (`PrefixCache`)."""
+        """`prefix_cache`: whether a prompt reuses the K/V a slot holds for its prefix
+        (`PrefixCache`)."""
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.max_seq_len = max_seq_len
@@ -89,7 +88,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(max_batch))
-        self.prefixes = PrefixCache(max_batch, enabled=prefix_cache, copies=prefix_copies)
+        self.prefixes = PrefixCache(max_batch, enabled=prefix_cache)
         # When each client with live requests last had one admitted (admission count).
         self._admitted_at: dict[str, int] = {}
         self._admissions = 0

@@ -221,15 +221,13 @@ class StepDevice:
 
     def forward(self, p: Pass) -> Logits:
         """One forward pass (:meth:`ForwardRunner.run`), after its prefix copies."""
-        for src, dst, length in p.copies:
-            self.model.copy_slot(src, dst, length)
+        self.runner.copy_prefixes(p.copies)
         return self._hold(self.runner.run(p))
 
     def share(self, logits: Logits, copies: list[tuple[int, int, int]], index: list[int]) -> Logits:
         """n > 1 prefill sharing: copy K/V ``(src slot, dst slot, length)`` for each copy, then
         the logits rows ``index`` (one per sampling row)."""
-        for src, dst, length in copies:
-            self.model.copy_slot(src, dst, length)
+        self.runner.copy_prefixes(copies)
         with self.backend.inference_mode():
             idx = self.backend.to_device(torch.tensor(index, dtype=torch.int64))
             out = self._get(logits).index_select(0, idx)

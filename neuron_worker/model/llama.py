@@ -79,8 +79,9 @@ class KVCache(nn.Module):
         self.k_cache[slots, :, pos] = k
         self.v_cache[slots, :, pos] = v
 
-    def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        """Positions [0, length) of slot `src` into slot `dst` (a shared prompt)."""
+    def copy_prefix(self, src: int | Tensor, dst: int | Tensor, length: int) -> None:
+        """Positions [0, length) of slot `src` into slot `dst` (a shared prompt): slot numbers,
+        or one-element int64 tensors on the cache's device (a graph then serves any slots)."""
         self.k_cache[dst, :, :length] = self.k_cache[src, :, :length]
         self.v_cache[dst, :, :length] = self.v_cache[src, :, :length]
 
@@ -464,10 +465,11 @@ class Transformer(nn.Module):
             )
         return self.norm(x)
 
-    def copy_slot(self, src: int, dst: int, length: int) -> None:
-        """Copy the K/V of positions [0, length) of cache slot `src` into slot `dst`: a prompt
-        prefilled once serves several requests (n > 1). `length` is best a sequence bucket, so
-        a static-shape backend sees few copy shapes."""
+    def copy_slot(self, src: int | Tensor, dst: int | Tensor, length: int) -> None:
+        """Copy the K/V of positions [0, length) of cache slot `src` into slot `dst` (slot
+        numbers, or one-element int64 tensors: `KVCache.copy_prefix`): a prompt prefilled once
+        serves several requests (n > 1, the prefix cache). `length` is best a sequence bucket,
+        so a static-shape backend sees few copy shapes."""
         for cache in self.kv_caches():
             cache.copy_prefix(src, dst, length)
 

@@ -81,6 +81,7 @@ class Output:
     ids: list[int]
     text: str
     finish_reason: int
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache held
 
 
 async def generate(address: str, case: Case, max_tokens: int = 24) -> Output:
@@ -93,12 +94,14 @@ async def generate(address: str, case: Case, max_tokens: int = 24) -> Output:
     ids: list[int] = []
     text = ""
     reason = worker_pb2.FINISH_REASON_UNSPECIFIED
+    cached = 0
     async with grpc.aio.insecure_channel(address) as ch:
         async for msg in worker_pb2_grpc.WorkerStub(ch).Generate(req):
             ids += list(msg.token_ids)
             text += msg.text
             reason = msg.finish_reason
-    return Output(ids, text, reason)
+            cached = msg.usage.cached_prompt_tokens or cached
+    return Output(ids, text, reason, cached)
 
 
 async def generate_all(address: str, cases: list[Case]) -> dict[str, Output]:

@@ -69,7 +69,8 @@ class FakeModel:
         self.cache = np.full((max_batch, max_seq), -1, dtype=np.int64)
         self.copies: list[tuple[int, int, int]] = []
 
-    def copy_slot(self, src: int, dst: int, length: int) -> None:
+    def copy_slot(self, src: int | torch.Tensor, dst: int | torch.Tensor, length: int) -> None:
+        src, dst = int(src), int(dst)  # bucketed: one-element tensors
         self.cache[dst, :length] = self.cache[src, :length]
         self.copies.append((src, dst, length))
 
@@ -707,10 +708,9 @@ def prompt_request(name: str, prompt: list[int], max_tokens: int = 12) -> Reques
 @pytest.mark.parametrize("bucketed", [True, False], ids=["buckets", "dynamic"])
 @pytest.mark.parametrize("enabled", [True, False], ids=["prefix-cache", "no-prefix-cache"])
 async def test_prompts_reuse_the_prefix_a_slot_holds(enabled: bool, bucketed: bool) -> None:
-    """B shares 24 tokens with A, which still runs: its prefill copies them from A's slot
-    (dynamic shapes; with buckets it computes them). C repeats A after both ended: it runs only
-    its last token, in A's slot. The fake model hashes each slot's tokens, so a wrong copy, slot
-    or start would show in the outputs."""
+    """B shares 24 tokens with A, which still runs: its prefill copies them from A's slot. C
+    repeats A after both ended: it runs only its last token, in A's slot. The fake model hashes
+    each slot's tokens, so a wrong copy, slot or start would show in the outputs."""
     engine, model = make_engine(overlap=False, bucketed=bucketed, prefix_cache=enabled)
     starts: list[list[int]] = []
 
@@ -738,31 +738,30 @@ async def test_prompts_reuse_the_prefix_a_slot_holds(enabled: bool, bucketed: bo
         await engine.stop()
     for req, (ids, _, _) in zip((a, b, c), (got_a, got_b, got_c), strict=True):
         assert ids == reference(req.prompt, req.sampling.max_tokens, False, 9), req.request_id
-    copied = enabled and not bucketed
     cached = [final.usage.cached_prompt_tokens for _, _, final in (got_a, got_b, got_c)]
     if not enabled:
         assert starts == [[0], [0], [0]] and cached == [0, 0, 0] and not model.copies
         return
-    assert starts == [[0], [24 if copied else 0], [len(a.prompt) - 1]]
-    assert cached == [0, 24 if copied else 0, len(a.prompt) - 1]
-    if copied:
-        assert len(model.copies) == 1
-        src, dst, length = model.copies[0]
-        assert src != dst and length >= 24
-    else:
-        assert not model.copies
+    assert starts == [[0], [24], [len(a.prompt) - 1]]
+    assert cached == [0, 24, len(a.prompt) - 1]
+    assert len(model.copies) == 1
+    src, dst, length = model.copies[0]
+    assert src != dst and length >= 24
     stats = engine.metrics.stats
     assert stats.prompt_tokens_reused == sum(cached)
     assert stats.prompt_tokens_computed == 3 * len(a.prompt) - 1 - sum(cached)
 
 
+@pytest.mark.parametrize("bucketed", [True, False], ids=["buckets", "dynamic"])
 @pytest.mark.parametrize("enabled", [True, False], ids=["prefix-cache", "no-prefix-cache"])
-async def test_requests_arriving_together_compute_a_shared_prefix_once(enabled: bool) -> None:
+async def test_requests_arriving_together_compute_a_shared_prefix_once(
+    enabled: bool, bucketed: bool
+) -> None:
     """A, B and C come in one admission window; B and C share 24 tokens with A: A's prompt pass
     runs alone, then B and C copy the prefix from A's slot and compute only their own tokens.
     Without the cache the three prompts run in one pass. The same outputs either way."""
     engine, model = make_engine(
-        overlap=False, bucketed=False, prefix_cache=enabled, admit_window_s=0.5
+        overlap=False, bucketed=bucketed, prefix_cache=enabled, admit_window_s=0.5
     )
     starts: list[list[int]] = []
 

@@ -61,12 +61,6 @@ def test_taking_a_slot_keeps_only_what_it_holds_of_the_new_prompt() -> None:
     assert cache.plan([*SYSTEM, 4, 5], [0, 1]) == Reuse(0, len(SYSTEM) + 1)
 
 
-def test_without_copies_only_a_free_slot_s_own_prefix_is_reused() -> None:
-    cache = PrefixCache(3, copies=False)
-    cache.hold(2, [*SYSTEM, 1])
-    assert cache.plan([*SYSTEM, 5], [0, 1]) == Reuse(0, 0)
-
-
 def test_disabled_it_holds_nothing() -> None:
     cache = PrefixCache(2, enabled=False)
     cache.hold(0, [*SYSTEM, 1])
@@ -103,9 +97,8 @@ def test_a_request_waits_for_a_prompt_pass_that_writes_more_of_its_prefix() -> N
     assert not cache.worth_waiting([*SYSTEM, 2], "", 0, [])
 
 
-def test_nothing_waits_across_salts_without_copies_or_disabled() -> None:
+def test_nothing_waits_across_salts_or_disabled() -> None:
     coming = [([*SYSTEM, 1], "tenant-a")]
     assert PrefixCache(4).worth_waiting([*SYSTEM, 2], "tenant-a", 0, coming)
     assert not PrefixCache(4).worth_waiting([*SYSTEM, 2], "tenant-b", 0, coming)
-    assert not PrefixCache(4, copies=False).worth_waiting([*SYSTEM, 2], "tenant-a", 0, coming)
     assert not PrefixCache(4, enabled=False).worth_waiting([*SYSTEM, 2], "tenant-a", 0, coming)
