@@ -184,6 +184,23 @@ def _batch_flags(p: argparse.ArgumentParser) -> None:
         "(default on)",
     )
     g.add_argument(
+        "--prefix-refresh-tokens",
+        type=int,
+        default=ENGINE.prefix_refresh_tokens,
+        help="while idle, rewrite finished answers into their KV slots in prompt passes of at "
+        "most this many tokens, so that a conversation's next turn reuses the whole exchange "
+        "(a request arriving meanwhile waits for one such pass at most; 0: never; default "
+        f"{ENGINE.prefix_refresh_tokens})",
+    )
+    g.add_argument(
+        "--prefix-refresh-idle-ms",
+        type=float,
+        default=ENGINE.prefix_refresh_idle_s * 1e3,
+        help="start rewriting finished answers only after the worker has been idle this long, "
+        "so that a client sending its next request at once never waits for one (default "
+        f"{ENGINE.prefix_refresh_idle_s * 1e3:g})",
+    )
+    g.add_argument(
         "--admit-window-ms",
         type=float,
         default=ENGINE.admit_window_s * 1e3,

@@ -27,11 +27,13 @@ and grammar state. All device work runs on one dedicated thread, in order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
 
 from maskwire.tokenizer import Tokenizer
+from neuron_worker.detokenize import Detokenizer
 from neuron_worker.device_stage import DeviceStage, on_device
 from neuron_worker.engine_config import EngineConfig
 from neuron_worker.events import EngineError, ErrorKind, FinishReason
@@ -41,7 +43,7 @@ from neuron_worker.graphs import CompileCounter
 from neuron_worker.ledger import Ledger
 from neuron_worker.metrics import Metrics
 from neuron_worker.penalties import OccurrenceTable
-from neuron_worker.request import Request, State
+from neuron_worker.request import Request, Sampling, State
 from neuron_worker.scheduler import Scheduler, queue_full
 from neuron_worker.speculator import Drafts, Speculator
 from neuron_worker.step_device import DeviceLostError, Logits, StepDeviceLike
@@ -103,6 +105,7 @@ class Engine:
         )
         self.speculator = Speculator.of(config, tokenizer, self.ledger, self.metrics)
         self._wake = asyncio.Event()
+        self._busy_at = 0.0  # time.monotonic() when a step last admitted or decoded
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.draining = False
@@ -286,7 +289,7 @@ class Engine:
     ) -> None:
         if req.finished:
             return
-        self.scheduler.release(req)
+        self.scheduler.release(req, answered=reason in (FR.STOP, FR.LENGTH, FR.STOP_STRING))
         req.pending = None
         if req.grammar is not None and self.grammar is not None:
             self.grammar.close(req.grammar)
@@ -310,7 +313,7 @@ class Engine:
                 if not stepped and not self.scheduler.waiting:
                     self._wake.clear()
                     if not any(r.abort_reason for r in self.scheduler.running):
-                        await self._wake.wait()
+                        await self._idle()
             except DeviceLostError as e:
                 self.device_lost(str(e))
             except Exception as e:  # never let one bad step kill the worker
@@ -330,12 +333,17 @@ class Engine:
             await self._prefill(admitted)
             self._flush_outputs()  # first tokens out now, not after the next step
         batch = [r for r in self.scheduler.running if r.pending is not None]
+        refreshed = False
         if batch:
             await self._decode(batch)
+        elif not admitted and not self.scheduler.waiting:
+            refreshed = await self._refresh_answer()
+        if admitted or batch:
+            self._busy_at = time.monotonic()
         self._flush_outputs(hold=bool(batch))
         self.compiles.check()
         self.metrics.queue(self.scheduler.queue_depth, len(self.scheduler.running))
-        return bool(batch)
+        return bool(batch) or refreshed
 
     async def _gather_arrivals(self) -> None:
         """From idle, hold the first arrival until requests stop coming (`admit_quiet_s` without
@@ -439,6 +447,43 @@ class Engine:
             if req.group:
                 leaders.setdefault(req.group, (row, tokens))
         return rows, shared
+
+    async def _idle(self) -> None:
+        """Nothing to run: wait for a request; with a finished answer to refresh, at most until
+        the worker has been idle `prefix_refresh_idle_s`."""
+        wait = self._refresh_wait()
+        if wait is None:
+            await self._wake.wait()
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), wait)
+
+    def _refresh_wait(self) -> float | None:
+        """Seconds until a refresh pass may run (0: now); None when there is none to run."""
+        if self.scheduler.refresh(self.config.prefix_refresh_tokens) is None:
+            return None
+        idle = time.monotonic() - self._busy_at
+        return max(0.0, self.config.prefix_refresh_idle_s - idle)
+
+    async def _refresh_answer(self) -> bool:
+        """Idle long enough: one prompt pass over part of a finished answer, so that its slot
+        holds it for the conversation's next turn (`PrefixCache.refresh`). A client that sends
+        its next request at once (a pipeline, a benchmark) finds the worker free: the passes
+        wait until it has been idle `prefix_refresh_idle_s`. Returns whether one ran."""
+        if self._refresh_wait() != 0.0:
+            return False
+        todo = self.scheduler.refresh(self.config.prefix_refresh_tokens)
+        if todo is None:
+            return False
+        slot, start, tokens = todo
+        # The pass writes the slot's K/V; no request owns the slot, and nothing samples.
+        owner = Request("", [], Sampling(), Detokenizer(lambda _: b""), slot=slot)
+        await self.stage.forward(ForwardBatch([Row(owner, tokens, start)], "refresh"))
+        self.scheduler.prefixes.hold(
+            slot, self.scheduler.prefixes.written(slot, start + len(tokens))
+        )
+        self.metrics.refreshed(len(tokens))
+        return True
 
     # ------------------------------------------------------------------ decode
     async def _decode(self, batch: list[Request]) -> None:

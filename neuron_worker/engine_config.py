@@ -39,6 +39,11 @@ class EngineConfig:
     structured_outputs: bool = True
     # A prompt reuses the K/V a slot holds for its prefix (`neuron_worker.prefix_cache`).
     prefix_cache: bool = True
+    # While idle, prompt passes of at most this many tokens rewrite finished answers into their
+    # slots, for the conversation's next turn (`PrefixCache.refresh`); 0 = never.
+    prefix_refresh_tokens: int = 32
+    # ... once the worker has been idle this long (a client's next request comes first).
+    prefix_refresh_idle_s: float = 0.05
     overlap: bool = True
     jump_forward: bool = True
     # Passes of one token per row as one C++ call (`neuron_worker.model.fused_decode`) where it

@@ -19,7 +19,7 @@ STEP_SECONDS = prom.Histogram(
 FORWARD_SECONDS = prom.Histogram(
     "maskwire_worker_forward_seconds",
     "Wall time of one forward pass",
-    ["kind"],  # prefill | decode | jump_forward | verify
+    ["kind"],  # prefill | refresh | decode | jump_forward | verify
     buckets=_STEP_BUCKETS,
 )
 MASK_WAIT_SECONDS = prom.Histogram(
@@ -45,6 +45,11 @@ PROMPT_TOKENS = prom.Counter(
     "Prompt tokens of admitted requests: `computed` by a prompt pass, or `reused` from K/V a "
     "KV slot held for the same prefix (the prefix cache; hit rate = reused / both)",
     ["source"],  # computed | reused
+)
+REFRESHED_TOKENS = prom.Counter(
+    "maskwire_worker_refreshed_answer_tokens_total",
+    "Tokens of finished answers rewritten into their KV slots by prompt passes while the worker "
+    "was idle, so that a conversation's next turn reuses them (`--prefix-refresh-tokens`)",
 )
 FORWARD_PASSES = prom.Counter(
     "maskwire_worker_forward_passes_total", "Forward passes run", ["kind"]
@@ -110,6 +115,7 @@ class EngineStats:
     forced_tokens: int = 0
     prompt_tokens_computed: int = 0
     prompt_tokens_reused: int = 0
+    refreshed_answer_tokens: int = 0
     compiles_while_serving: int = 0
     draft_proposed: int = 0
     draft_forced: int = 0
@@ -135,7 +141,7 @@ class Metrics:
 
     def forward(self, kind: str, seconds: float) -> None:
         self.stats.forward_passes += 1
-        if kind == "prefill":
+        if kind in ("prefill", "refresh"):
             self.stats.prefill_s += seconds
         else:
             self.stats.forward_s += seconds
@@ -160,6 +166,11 @@ class Metrics:
         self.stats.prompt_tokens_reused += reused
         PROMPT_TOKENS.labels("computed").inc(computed)
         PROMPT_TOKENS.labels("reused").inc(reused)
+
+    def refreshed(self, tokens: int) -> None:
+        """Answer tokens one idle prompt pass rewrote into their slot."""
+        self.stats.refreshed_answer_tokens += tokens
+        REFRESHED_TOKENS.inc(tokens)
 
     def tokens(self, sampled: int, forced: int) -> None:
         self.stats.sampled_tokens += sampled

@@ -18,6 +18,12 @@ free slot used least recently instead and its prompt pass first copies that pref
 (`neuron_worker.graphs.Pass.copies`). At least the prompt's last token always runs: its logits
 are the request's first draw.
 
+A request's answer is written to its slot by the steps, so it is not held; yet a conversation's
+next turn (an agent's next call) starts with the whole exchange, answer included. While the
+worker is idle, prompt passes rewrite a finished answer into its slot (`refresh`, a few tokens
+per pass, the most recent answer first): the slot then holds the exchange, and the next turn
+computes only its new message.
+
 Requests that arrive together with a prefix no slot holds yet (a new system prompt) would each
 compute it in the same prompt pass. Instead a request waits for the pass of one admitted before
 it that writes at least `MIN_COPY` more of its prefix (`worth_waiting`), and copies that prefix
@@ -62,6 +68,9 @@ class PrefixCache:
         self._salts = [""] * slots  # the cache salt of the request that wrote each slot's prompt
         self._used = [0] * slots  # when each slot was last taken or freed (a counter)
         self._clock = 0
+        # A finished request's prompt and answer: the tokens its slot has K/V for, from the
+        # prompt pass (held) and from the steps (to refresh).
+        self._written = [np.zeros(0, dtype=np.int64) for _ in range(slots)]
 
     def held(self, slot: int) -> list[int]:
         """The prompt tokens whose K/V `slot` holds."""
@@ -85,6 +94,7 @@ class PrefixCache:
         tokens = np.asarray(prompt, dtype=np.int64)
         kept = self._match(reuse.slot, tokens, len(prompt) - 1, salt)
         self._held[reuse.slot] = self._held[reuse.slot][:kept]
+        self._written[reuse.slot] = self._held[reuse.slot]
         self._salts[reuse.slot] = salt
         self._touch(reuse.slot)
         return reuse
@@ -115,9 +125,28 @@ class PrefixCache:
             if other_salt == salt
         )
 
-    def release(self, slot: int) -> None:
-        """The slot's request finished: its prompt stays for later requests."""
+    def release(self, slot: int, written: Sequence[int] = ()) -> None:
+        """The slot's request finished: its prompt stays for later requests. `written`: the
+        prompt and answer of one that ended normally, whose K/V the slot has (`refresh`)."""
+        if self.enabled and len(written) > len(self._held[slot]):
+            self._written[slot] = np.asarray(written, dtype=np.int64)
         self._touch(slot)
+
+    def refresh(self, free: Sequence[int], limit: int) -> tuple[int, int, list[int]] | None:
+        """The next prompt pass that rewrites a finished answer (module docstring): (slot,
+        start, tokens), at most `limit` tokens of the most recently freed slot among `free`
+        whose answer is not held yet; None when there is none. :meth:`hold` the slot's tokens
+        through `start + len(tokens)` once the pass ran."""
+        pending = [s for s in free if len(self._written[s]) > len(self._held[s])]
+        if limit <= 0 or not pending:
+            return None
+        slot = max(pending, key=lambda s: self._used[s])
+        start = len(self._held[slot])
+        return slot, start, self._written[slot][start : start + limit].tolist()
+
+    def written(self, slot: int, end: int) -> list[int]:
+        """The first `end` tokens whose K/V `slot` has (prompt, then answer)."""
+        return self._written[slot][:end].tolist()
 
     def _match(self, slot: int, tokens: np.ndarray, limit: int, salt: str) -> int:
         return _common_prefix(self._held[slot], tokens, limit) if self._salts[slot] == salt else 0

@@ -209,17 +209,24 @@ class Scheduler:
         at = self._admitted_at
         return first[min(first, key=lambda p: (running[p], at.get(p, 0), first[p]))]
 
-    def release(self, req: Request) -> None:
-        """A request finished: free its slot (or drop it from the queue)."""
+    def release(self, req: Request, *, answered: bool = False) -> None:
+        """A request finished: free its slot (or drop it from the queue). `answered`: it ended
+        normally, so its slot's K/V cover its prompt and answer (`PrefixCache.refresh`)."""
         if req.state is State.RUNNING:
             self.running.remove(req)
             self._free_slots.append(req.slot)
-            self.prefixes.release(req.slot)
+            written = (req.prompt + req.output)[: self.max_seq_len] if answered else []
+            self.prefixes.release(req.slot, written)
             req.slot = -1
         elif req.state is State.WAITING:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
         req.state = State.FINISHED
+
+    def refresh(self, limit: int) -> tuple[int, int, list[int]] | None:
+        """The next prompt pass that rewrites a finished answer into its free slot
+        (`PrefixCache.refresh`), or None."""
+        return self.prefixes.refresh(self._free_slots, limit)
 
     def batch_bucket(self, n: int) -> int:
         return bucket_for(self.batch_buckets, n)

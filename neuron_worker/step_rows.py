@@ -67,8 +67,9 @@ class Row:
 
 @dataclass
 class ForwardBatch:
-    """The rows of one forward pass and its kind (a metrics label; "prefill" picks the prefill
-    graph): "prefill", "decode", "jump_forward" or "verify". `copies`: (source slot, row's slot,
+    """The rows of one forward pass and its kind (a metrics label; "prefill" and "refresh", a
+    finished answer rewritten into its slot, pick the prefill graph): "prefill", "refresh",
+    "decode", "jump_forward" or "verify". `copies`: (source slot, row's slot,
     length) prompt prefixes to copy into the rows' slots before the pass (a prefix another slot
     holds, `neuron_worker.prefix_cache`)."""
 
@@ -99,7 +100,8 @@ class ForwardBatch:
         # Copied up to a sequence bucket: a static-shape backend sees few copy shapes, and the
         # positions past the prefix are the row's to write (or never attended).
         copies = tuple((src, dst, runner.shape(1, 1, n)[2]) for src, dst, n in self.copies)
-        return Pass(tokens, pos, slots, last, kv_len, prefill=self.kind == "prefill", copies=copies)
+        prefill = self.kind in ("prefill", "refresh")
+        return Pass(tokens, pos, slots, last, kv_len, prefill=prefill, copies=copies)
 
 
 def sample_batch(

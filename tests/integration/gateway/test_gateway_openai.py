@@ -16,6 +16,7 @@ import openai
 import pydantic
 import pytest
 
+from tests.support.metrics import metric
 from tests.support.processes import ServiceProcess, free_port, running
 from tests.support.processes import openai_client as sdk
 
@@ -286,6 +287,44 @@ def test_streamed_content_matches_and_counts_usage(client: openai.OpenAI) -> Non
     assert usage.prompt_tokens_details is not None
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
     jsonschema.validate(json.loads(text), SCHEMAS["person"][0])
+
+
+def test_a_conversation_s_next_turn_reuses_the_answer(
+    client: openai.OpenAI, worker_metrics_port: int
+) -> None:
+    """The worker rewrites a finished answer into its KV slot while idle; the next turn, whose
+    prompt renders that answer as the assistant's message, then computes only what follows."""
+    refreshed = "maskwire_worker_refreshed_answer_tokens_total"
+    before = metric(worker_metrics_port, refreshed)
+    history = [
+        {"role": "system", "content": "You are the desk of a ferry line. Answer briefly."},
+        {"role": "user", "content": "Do you take bicycles on the morning crossing?"},
+    ]
+    first = client.chat.completions.create(
+        model=MODEL, messages=history, max_tokens=24, temperature=0
+    )
+    assert first.usage is not None
+    answer = first.choices[0].message.content or ""
+    deadline = time.monotonic() + 30
+    while metric(worker_metrics_port, refreshed) - before < first.usage.completion_tokens:
+        assert time.monotonic() < deadline, "the answer was never refreshed"
+        time.sleep(0.02)
+    history += [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And dogs?"},
+    ]
+    second = client.chat.completions.create(
+        model=MODEL, messages=history, max_tokens=8, temperature=0
+    )
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # The first turn's prompt and answer (its end-of-turn token included).
+    assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 1, (
+        cached,
+        first.usage,
+        answer,
+    )
+    assert cached < second.usage.prompt_tokens
 
 
 SCHEMA_SPEC = {"name": "person", "schema": SCHEMAS["person"][0], "strict": True}

@@ -3,7 +3,8 @@ the CPU has them, the dense prompt pass): a prompt that starts like one a KV slo
 only its new tokens, reports the rest as `cached_prompt_tokens`, and answers exactly what a
 worker without the cache answers, whether the prefix is reused in place (a repeated request), or
 copied from the slot of a request still running (a shared system prompt) or from one sent at the
-same time, constrained or not,
+same time, or the previous turn's answer rewritten into its slot while the worker was idle,
+constrained or not,
 with n > 1, and per cache salt. Two workers start for it: a slow suite (the default run checks
 reuse through the gateway's shared stack, `cached_tokens` and the same answers, and the engine
 against its fake model)."""
@@ -23,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from maskwire.tokenizer import load_tokenizer
 from maskwire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.integration.worker.conftest import Result, channel, chat, generate
+from tests.support.metrics import metric
 from tests.support.processes import ServiceProcess, free_port, running, spawned
 from tests.support.schemas import PERSON
 
@@ -48,6 +50,11 @@ def reused_tokens(port: int) -> float:
         for s in fam.samples
         if s.name == "maskwire_worker_prompt_tokens_total" and s.labels["source"] == "reused"
     )
+
+
+def refreshed_tokens(port: int) -> float:
+    """The worker's `maskwire_worker_refreshed_answer_tokens_total`."""
+    return metric(port, "maskwire_worker_refreshed_answer_tokens_total")
 
 
 class Services(NamedTuple):
@@ -166,6 +173,26 @@ async def test_requests_sent_together_compute_a_new_system_prompt_once(
     assert reused_tokens(port) - before == sum(reused)
     for got, want in zip(together, alone, strict=True):
         assert got.ids == want.ids, (got.text, want.text)
+
+
+async def test_a_next_turn_reuses_the_answer_refreshed_while_idle(services: Services) -> None:
+    """The first turn's answer (written by the 4-bit steps) is rewritten into its slot by idle
+    prompt passes; the second turn, which repeats the exchange, computes only its new message
+    and answers exactly what the worker without the cache answers."""
+    prompt = SYSTEM + chat("Which documents do I need to ship a car?")
+    cached, _, port, _ = services
+    before = refreshed_tokens(port)
+    async with channel(cached.address) as ch:
+        first = await generate(worker_pb2_grpc.WorkerStub(ch), prompt, max_tokens=40)
+    for _ in range(600):
+        if refreshed_tokens(port) - before >= len(first.ids):
+            break
+        await asyncio.sleep(0.05)
+    follow_up = prompt + first.text + "<|im_end|>\n" + chat("And for a motorbike?")
+    second, alone = await both(services, follow_up, max_tokens=24)
+    n = len(TOK.encode(prompt)) + len(first.ids)
+    assert cached_tokens(second) >= n - 1, (cached_tokens(second), n, first.text)
+    assert second.ids == alone.ids, (second.text, alone.text)
 
 
 async def test_constrained_answers_reuse_the_prompt_too(services: Services) -> None:

@@ -135,6 +135,8 @@ def test_the_context_is_fitted_to_the_models(caplog: pytest.LogCaptureFixture) -
         (("--verify-pass-tokens", "-5"), "--verify-pass-tokens"),
         (("--admit-window-ms", "-1"), "--admit-window-ms"),
         (("--admit-quiet-ms", "-0.5"), "--admit-quiet-ms"),
+        (("--prefix-refresh-tokens", "-1"), "--prefix-refresh-tokens"),
+        (("--prefix-refresh-idle-ms", "-1"), "--prefix-refresh-idle-ms"),
         (("--batch-buckets", "0,4"), "--batch-buckets"),
         (("--seq-buckets", "128,x"), "--seq-buckets"),
         (("--token-buckets", "-3"), "--token-buckets"),

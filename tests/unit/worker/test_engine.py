@@ -185,6 +185,8 @@ def make_engine(
     admit_quiet_s: float = 0.004,
     stream_interval_s: float = 0.0,
     prefix_cache: bool = True,
+    prefix_refresh_tokens: int = 32,
+    prefix_refresh_idle_s: float = 0.05,
 ) -> tuple[Engine, FakeModel]:
     model = FakeModel()
     config = EngineConfig(
@@ -201,6 +203,8 @@ def make_engine(
         jump_forward=jump_forward,
         speculative=speculative,
         prefix_cache=prefix_cache,
+        prefix_refresh_tokens=prefix_refresh_tokens,
+        prefix_refresh_idle_s=prefix_refresh_idle_s,
     )
     sampler = Sampler(
         vocab_size=V,
@@ -790,6 +794,71 @@ async def test_requests_arriving_together_compute_a_shared_prefix_once(
         return
     assert starts == [[0], [24, 24]] and cached == [0, 24, 24]
     assert len(model.copies) == 2 and all(length >= 24 for _, _, length in model.copies)
+
+
+@pytest.mark.parametrize("bucketed", [True, False], ids=["buckets", "dynamic"])
+@pytest.mark.parametrize("refresh", [8, 0], ids=["refresh", "no-refresh"])
+async def test_a_next_turn_reuses_the_answer_the_idle_worker_wrote_into_its_slot(
+    refresh: int, bucketed: bool
+) -> None:
+    """A's 20-token answer is rewritten into its slot by idle prompt passes of at most 8 tokens
+    (8, 8, 4, the slot's tokens through the last one); B, A's exchange plus a new message,
+    then computes only that message. Without refresh passes B reuses A's prompt only."""
+    engine, _ = make_engine(overlap=False, bucketed=bucketed, prefix_refresh_tokens=refresh)
+    kinds: list[tuple[str, int, int]] = []
+
+    async def record(batch: ForwardBatch) -> None:
+        kinds.extend((batch.kind, row.start, len(row.tokens)) for row in batch.rows)
+
+    before_each_pass(engine, record)
+    a = prompt_request("a", list(NORMAL[10:30]), max_tokens=20)
+    await engine.start()
+    try:
+        await engine.submit(a)
+        got_a = await collect(a)
+        for _ in range(200):  # the idle passes run after A's final message
+            if engine.metrics.stats.refreshed_answer_tokens >= (20 if refresh else 0):
+                break
+            await asyncio.sleep(0.005)
+        before_b = len(kinds)
+        refreshed = engine.metrics.stats.refreshed_answer_tokens
+        b = prompt_request("b", [*a.prompt, *got_a[0], NORMAL[70], NORMAL[71]])
+        await engine.submit(b)
+        got_b = await collect(b)
+    finally:
+        await engine.stop()
+    assert got_a[0] == reference(a.prompt, 20, False, 9)
+    assert got_b[0] == reference(b.prompt, b.sampling.max_tokens, False, 9)
+    refreshes = [k for k in kinds[:before_b] if k[0] == "refresh"]
+    if refresh:
+        assert refreshes == [("refresh", 20, 8), ("refresh", 28, 8), ("refresh", 36, 4)]
+        assert got_b[2].usage.cached_prompt_tokens == 40
+    else:
+        assert refreshes == [] and got_b[2].usage.cached_prompt_tokens == 20
+    assert refreshed == (20 if refresh else 0)
+
+
+async def test_a_request_sent_at_once_never_waits_for_a_refresh_pass() -> None:
+    """Refresh passes start only after the worker has been idle `prefix_refresh_idle_s`: a
+    request sent right after another ended is admitted first."""
+    engine, _ = make_engine(overlap=False, prefix_refresh_idle_s=5.0)
+    kinds: list[str] = []
+
+    async def record(batch: ForwardBatch) -> None:
+        kinds.append(batch.kind)
+
+    before_each_pass(engine, record)
+    a = prompt_request("a", list(NORMAL[10:30]), max_tokens=20)
+    c = prompt_request("c", list(NORMAL[40:50]), max_tokens=4)
+    await engine.start()
+    try:
+        await engine.submit(a)
+        await collect(a)
+        await engine.submit(c)
+        await collect(c)
+    finally:
+        await engine.stop()
+    assert kinds.count("prefill") == 2 and "refresh" not in kinds, kinds
 
 
 async def test_abort_by_call_id_stops_every_choice() -> None:

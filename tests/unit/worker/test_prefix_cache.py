@@ -102,3 +102,39 @@ def test_nothing_waits_across_salts_or_disabled() -> None:
     assert PrefixCache(4).worth_waiting([*SYSTEM, 2], "tenant-a", 0, coming)
     assert not PrefixCache(4).worth_waiting([*SYSTEM, 2], "tenant-b", 0, coming)
     assert not PrefixCache(4, enabled=False).worth_waiting([*SYSTEM, 2], "tenant-a", 0, coming)
+
+
+def test_a_finished_answer_is_refreshed_in_chunks_most_recent_slot_first() -> None:
+    cache = PrefixCache(3)
+    for slot, prompt in ((0, [1, 2, 3]), (1, [4, 5])):
+        cache.take(prompt, [slot])
+        cache.hold(slot, prompt)
+    cache.release(0, [1, 2, 3, 10, 11, 12, 13, 14])
+    cache.release(1, [4, 5, 20])
+    assert cache.refresh([0, 1, 2], 4) == (1, 2, [20])  # freed last
+    cache.hold(1, cache.written(1, 3))
+    assert cache.refresh([0, 1, 2], 4) == (0, 3, [10, 11, 12, 13])
+    cache.hold(0, cache.written(0, 7))
+    assert cache.refresh([1, 2], 4) is None  # slot 0 is no longer free
+    assert cache.refresh([0, 1, 2], 4) == (0, 7, [14])
+    cache.hold(0, cache.written(0, 8))
+    assert cache.refresh([0, 1, 2], 4) is None
+    # The whole exchange is held: a next turn reuses it.
+    assert cache.plan([1, 2, 3, 10, 11, 12, 13, 14, 30, 31], [0, 1, 2]) == Reuse(0, 8)
+
+
+def test_no_refresh_once_the_slot_is_taken_without_an_answer_or_disabled() -> None:
+    cache = PrefixCache(2)
+    cache.take([1, 2], [0])
+    cache.hold(0, [1, 2])
+    cache.release(0, [1, 2, 3, 4])
+    assert cache.refresh([0, 1], 0) is None  # limit 0: never
+    cache.take([1, 2, 9], [0, 1])  # a new request in slot 0: its old answer is gone
+    assert cache.refresh([1], 8) is None
+    cache.take([5], [1])
+    cache.hold(1, [5])
+    cache.release(1)  # aborted or failed: no answer
+    assert cache.refresh([0, 1], 8) is None
+    off = PrefixCache(2, enabled=False)
+    off.release(0, [1, 2, 3])
+    assert off.refresh([0, 1], 8) is None

@@ -244,3 +244,19 @@ def test_a_request_waits_for_another_prompt_pass_once_only() -> None:
     assert s.admit() == [second]  # no second wait, though third is new and shares it too
     assert second.reuse.length == 0
     assert list(s.waiting) == [third]  # third waits for second's pass: its first wait
+
+
+def test_a_request_that_ended_normally_leaves_its_answer_to_refresh() -> None:
+    s = sched(max_batch=2, max_seq_len=64)
+    done, failed = make(0, n_prompt=4), make(1, n_prompt=4)
+    for r in (done, failed):
+        s.enqueue([r])
+    assert s.admit() == [done, failed]
+    for r in (done, failed):
+        s.prefixes.hold(r.slot, r.prompt)
+    done.output = list(range(100, 170))  # past the context: only 64 tokens fit the slot
+    failed.output = [7, 8]
+    slot = done.slot
+    s.release(done, answered=True)
+    s.release(failed)
+    assert s.refresh(100) == (slot, 4, list(range(100, 160)))
