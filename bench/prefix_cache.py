@@ -5,11 +5,14 @@ document and a JSON answer format), then each request's own question (numbered a
 two requests of a run share more than the system prompt); greedy, `--max-tokens`
 new tokens, through the gateway's OpenAI-compatible API with streaming, constrained to a JSON
 schema and not. c1: the 8 questions one after another; c8: all 8 at once; c8 cold: all 8 at
-once under a system prompt no KV slot holds (a new desk number up front). Two `maskwire up`
-stacks (the defaults, and `--worker-arg=--no-prefix-cache`) are up at once and measured in the
-order A B, B A, ... per round, so drifting load falls on both alike. Reports per figure the
-medians and the ratio on / off by round: TTFT, request time and, from the usage chunks, the
-prompt tokens the cache held (`usage.prompt_tokens_details.cached_tokens`).
+once under a system prompt no KV slot holds (a new desk number up front); a conversation: 4
+turns, each repeating the exchange so far, 0.2 s of client work between them (turns 2-4
+reported). Three `maskwire up` stacks (the defaults; `--worker-arg=--prefix-refresh-tokens=0`,
+the cache without rewriting finished answers; `--worker-arg=--no-prefix-cache`) are up at once
+and measured in a rotating order per round, so drifting load falls on all alike. Reports per
+figure the medians and the ratios on / off and on / no refresh by round: TTFT, request time and,
+from the usage chunks, the prompt tokens the cache held
+(`usage.prompt_tokens_details.cached_tokens`).
 
 Writes bench/results/<name>.json and, where matplotlib is installed, <name>.png. Never part of
 CI: it needs a quiet machine.
@@ -69,6 +72,11 @@ QUESTIONS = [
     "Who refunds a cancelled booking?",
     "What is demurrage?",
 ]
+THINK_S = 0.2  # a client's time between an answer and its next turn
+# After a stack's workload: its idle work (rewriting the last answers into their slots) ends
+# before the next stack is measured on the same cores.
+SETTLE_S = 1.0
+
 SCHEMA = {
     "type": "object",
     "properties": {"answer": {"type": "string", "maxLength": 120}, "office": {"type": "string"}},
@@ -80,9 +88,18 @@ SCHEMA = {
 def ask(
     server: Server, question: str, constrained: bool, max_tokens: int, system: str = SYSTEM
 ) -> dict[str, float]:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    figures, _ = chat(server, messages, constrained, max_tokens)
+    return figures
+
+
+def chat(
+    server: Server, messages: list[dict[str, str]], constrained: bool, max_tokens: int
+) -> tuple[dict[str, float], str]:
+    """One streamed chat completion: its figures and its text."""
     body: dict[str, Any] = {
         "model": server.model,
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -96,19 +113,23 @@ def ask(
     began = time.perf_counter()
     first: float | None = None
     usage: dict[str, Any] = {}
+    text = ""
     for chunk in chat_chunks(server, body):
         choices = chunk.get("choices") or []
-        if choices and choices[0].get("delta", {}).get("content"):
+        content = choices[0].get("delta", {}).get("content") if choices else None
+        if content:
             first = first or time.perf_counter()
+            text += content
         usage = chunk.get("usage") or usage
     end = time.perf_counter()
     details = usage.get("prompt_tokens_details") or {}
-    return {
+    figures = {
         "ttft_ms": 1e3 * ((first or end) - began),
         "request_ms": 1e3 * (end - began),
         "prompt_tokens": float(usage.get("prompt_tokens", 0)),
         "cached_tokens": float(details.get("cached_tokens", 0)),
     }
+    return figures, text
 
 
 def tickets(start: int) -> list[str]:
@@ -129,6 +150,27 @@ def concurrently(
 
 def cached_share(results: list[dict[str, float]]) -> float:
     return sum(r["cached_tokens"] for r in results) / sum(r["prompt_tokens"] for r in results)
+
+
+def conversation(server: Server, ticket: int) -> dict[str, float]:
+    """A customer's conversation: 4 turns, each repeating the exchange so far (the previous
+    answers included) and asking the next question, 64 new tokens each, after `THINK_S` of the
+    client's own work (reading the answer, a tool call). Figures of turns 2-4."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    later: list[dict[str, float]] = []
+    for turn, question in enumerate(QUESTIONS[:4]):
+        ask_more = f"Ticket {ticket}: {question} Explain step by step."  # a 64-token answer
+        messages.append({"role": "user", "content": ask_more})
+        figures, text = chat(server, messages, False, 64)
+        messages.append({"role": "assistant", "content": text})
+        if turn:
+            later.append(figures)
+        time.sleep(THINK_S)
+    return {
+        "turn_ttft_ms": statistics.median(r["ttft_ms"] for r in later),
+        "turn_request_ms": statistics.median(r["request_ms"] for r in later),
+        "turn_cached_share": cached_share(later),
+    }
 
 
 def workload(server: Server, max_tokens: int, ticket: int) -> dict[str, float]:
@@ -154,6 +196,8 @@ def workload(server: Server, max_tokens: int, ticket: int) -> dict[str, float]:
         out[f"c8_{kind}_wall_ms"] = wall
         out[f"c8_{kind}_ttft_ms"] = statistics.median(r["ttft_ms"] for r in c8)
         out[f"c8_{kind}_cached_share"] = cached_share(c8)
+    out.update(conversation(server, ticket))
+    time.sleep(SETTLE_S)
     return out
 
 
@@ -165,15 +209,17 @@ def main() -> None:
     a = ap.parse_args()
     stacks = {
         "on": start_maskwire([], None),
+        "no_refresh": start_maskwire(["--worker-arg=--prefix-refresh-tokens=0"], None),
         "off": start_maskwire(["--worker-arg=--no-prefix-cache"], None),
     }
+    names = list(stacks)
     rounds: list[dict[str, dict[str, float]]] = []
     try:
         for server in stacks.values():  # warm-up: grammar compiles, first passes
             ask(server, QUESTIONS[0], True, 4)
         for i in range(a.rounds):
-            order = ("on", "off") if i % 2 == 0 else ("off", "on")
-            ticket = 1000 * (i + 1)  # both stacks get the same questions in a round
+            order = names[i % len(names) :] + names[: i % len(names)]
+            ticket = 1000 * (i + 1)  # every stack gets the same questions in a round
             rounds.append({v: workload(stacks[v], a.max_tokens, ticket) for v in order})
             print(f"round {i + 1}/{a.rounds}: {json.dumps(rounds[-1])}", flush=True)
     finally:
@@ -181,15 +227,22 @@ def main() -> None:
             server.stop()
     keys = list(rounds[0]["on"])
     median = {v: {k: statistics.median(r[v][k] for r in rounds) for k in keys} for v in stacks}
-    ratio = {
-        k: [r["on"][k] / r["off"][k] for r in rounds if r["off"][k]]
-        for k in keys
-        if "cached" not in k
-    }
+
+    def ratios(base: str) -> dict[str, list[float]]:
+        return {
+            k: [r["on"][k] / r[base][k] for r in rounds if r[base][k]]
+            for k in keys
+            if "cached" not in k
+        }
+
+    ratio = ratios("off")
     out = {
         "median": median,
         "ratio_on_over_off": {k: statistics.median(v) for k, v in ratio.items()},
         "ratio_by_round": ratio,
+        "ratio_on_over_no_refresh": {
+            k: statistics.median(v) for k, v in ratios("no_refresh").items()
+        },
         "rounds": rounds,
         "max_tokens": a.max_tokens,
         "load_avg": os.getloadavg(),
@@ -200,14 +253,14 @@ def main() -> None:
     (RESULTS / f"{a.name}.json").write_text(json.dumps(out, indent=1) + "\n")
     with contextlib.suppress(ImportError):
         plot(out, RESULTS / f"{a.name}.png")
-    print("| figure | cache on | cache off | on / off |")
-    print("| --- | --- | --- | --- |")
+    print("| figure | cache on | no refresh | cache off | on / off | on / no refresh |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for k in keys:
-        r = out["ratio_on_over_off"].get(k)
-        print(
-            f"| {k} | {median['on'][k]:.2f} | {median['off'][k]:.2f} | "
-            f"{'' if r is None else f'{r:.2f}'} |"
-        )
+        cells = [f"{median[v][k]:.2f}" for v in names]
+        for table in ("ratio_on_over_off", "ratio_on_over_no_refresh"):
+            r = out[table].get(k)
+            cells.append("" if r is None else f"{r:.2f}")
+        print(f"| {k} | {' | '.join(cells)} |")
 
 
 def plot(out: dict[str, Any], path: Path) -> None:

@@ -476,9 +476,17 @@ class Engine:
         if todo is None:
             return False
         slot, start, tokens = todo
+        started = time.perf_counter()
         # The pass writes the slot's K/V; no request owns the slot, and nothing samples.
         owner = Request("", [], Sampling(), Detokenizer(lambda _: b""), slot=slot)
         await self.stage.forward(ForwardBatch([Row(owner, tokens, start)], "refresh"))
+        log.debug(
+            "refreshed answer tokens %d-%d of slot %d in %.1f ms",
+            start,
+            start + len(tokens),
+            slot,
+            1e3 * (time.perf_counter() - started),
+        )
         self.scheduler.prefixes.hold(
             slot, self.scheduler.prefixes.written(slot, start + len(tokens))
         )
