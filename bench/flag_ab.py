@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vs_vllm import FIGURES, cpu_features, figures, run
+from vs_vllm import FIGURES, cpu_features, figures, run, with_latency
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +76,8 @@ def main() -> None:
             # Run from the scratch folder: the services start with `python -m`, which puts the
             # working directory first on the path, ahead of a `PYTHONPATH` variant's checkout.
             run([*bench, f"--up-args={variants[v]}"], {**env, **extra_env[v]}, log, Path(a.work))
-            summary = json.loads((Path(a.work) / "results" / f"maskwire{tag}.json").read_text())
+            result = json.loads((Path(a.work) / "results" / f"maskwire{tag}.json").read_text())
+            summary = with_latency(result)
             results[v] = {
                 **figures(summary["summary"]),
                 "valid": [summary["summary"][k] for k in ("c1_valid", "c8_valid")],
