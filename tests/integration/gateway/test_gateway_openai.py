@@ -16,7 +16,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.support.metrics import metric
+from tests.support.metrics import metric, settled
 from tests.support.processes import ServiceProcess, free_port, running
 from tests.support.processes import openai_client as sdk
 
@@ -295,7 +295,8 @@ def test_a_conversation_s_next_turn_reuses_the_answer(
     """The worker rewrites a finished answer into its KV slot while idle; the next turn, whose
     prompt renders that answer as the assistant's message, then computes only what follows."""
     refreshed = "maskwire_worker_refreshed_answer_tokens_total"
-    before = metric(worker_metrics_port, refreshed)
+    # Earlier tests' answers are rewritten first: then the next pass is this answer's.
+    before = settled(worker_metrics_port, refreshed)
     history = [
         {"role": "system", "content": "You are the desk of a ferry line. Answer briefly."},
         {"role": "user", "content": "Do you take bicycles on the morning crossing?"},

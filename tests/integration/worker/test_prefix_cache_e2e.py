@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from maskwire.tokenizer import load_tokenizer
 from maskwire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.integration.worker.conftest import Result, channel, chat, generate
-from tests.support.metrics import metric
+from tests.support.metrics import metric, settled
 from tests.support.processes import ServiceProcess, free_port, running, spawned
 from tests.support.schemas import PERSON
 
@@ -52,9 +52,7 @@ def reused_tokens(port: int) -> float:
     )
 
 
-def refreshed_tokens(port: int) -> float:
-    """The worker's `maskwire_worker_refreshed_answer_tokens_total`."""
-    return metric(port, "maskwire_worker_refreshed_answer_tokens_total")
+REFRESHED = "maskwire_worker_refreshed_answer_tokens_total"
 
 
 class Services(NamedTuple):
@@ -181,11 +179,12 @@ async def test_a_next_turn_reuses_the_answer_refreshed_while_idle(services: Serv
     and answers exactly what the worker without the cache answers."""
     prompt = SYSTEM + chat("Which documents do I need to ship a car?")
     cached, _, port, _ = services
-    before = refreshed_tokens(port)
+    # Earlier tests' answers are rewritten first: then the next passes are this answer's.
+    before = settled(port, REFRESHED)
     async with channel(cached.address) as ch:
         first = await generate(worker_pb2_grpc.WorkerStub(ch), prompt, max_tokens=40)
     for _ in range(600):
-        if refreshed_tokens(port) - before >= len(first.ids):
+        if metric(port, REFRESHED) - before >= len(first.ids):
             break
         await asyncio.sleep(0.05)
     follow_up = prompt + first.text + "<|im_end|>\n" + chat("And for a motorbike?")
