@@ -336,7 +336,7 @@ class Engine:
         refreshed = False
         if batch:
             await self._decode(batch)
-        elif not admitted and not self.scheduler.waiting:
+        elif not (admitted or self.scheduler.waiting or self.scheduler.running):
             refreshed = await self._refresh_answer()
         if admitted or batch:
             self._busy_at = time.monotonic()
