@@ -451,17 +451,14 @@ class Engine:
     async def _idle(self) -> None:
         """Nothing to run: wait for a request; with a finished answer to refresh, at most until
         the worker has been idle `prefix_refresh_idle_s`."""
-        wait = self._refresh_wait()
-        if wait is None:
+        if self.scheduler.refresh(self.config.prefix_refresh_tokens) is None:
             await self._wake.wait()
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), wait)
+            await asyncio.wait_for(self._wake.wait(), self._until_refresh())
 
-    def _refresh_wait(self) -> float | None:
-        """Seconds until a refresh pass may run (0: now); None when there is none to run."""
-        if self.scheduler.refresh(self.config.prefix_refresh_tokens) is None:
-            return None
+    def _until_refresh(self) -> float:
+        """Seconds until the worker has been idle `prefix_refresh_idle_s` (0: it has)."""
         idle = time.monotonic() - self._busy_at
         return max(0.0, self.config.prefix_refresh_idle_s - idle)
 
@@ -470,10 +467,8 @@ class Engine:
         holds it for the conversation's next turn (`PrefixCache.refresh`). A client that sends
         its next request at once (a pipeline, a benchmark) finds the worker free: the passes
         wait until it has been idle `prefix_refresh_idle_s`. Returns whether one ran."""
-        if self._refresh_wait() != 0.0:
-            return False
         todo = self.scheduler.refresh(self.config.prefix_refresh_tokens)
-        if todo is None:
+        if todo is None or self._until_refresh() > 0:
             return False
         slot, start, tokens = todo
         started = time.perf_counter()
@@ -487,9 +482,7 @@ class Engine:
             slot,
             1e3 * (time.perf_counter() - started),
         )
-        self.scheduler.prefixes.hold(
-            slot, self.scheduler.prefixes.written(slot, start + len(tokens))
-        )
+        self.scheduler.prefixes.refreshed(slot, len(tokens))
         self.metrics.refreshed(len(tokens))
         return True
 

@@ -135,8 +135,8 @@ class PrefixCache:
     def refresh(self, free: Sequence[int], limit: int) -> tuple[int, int, list[int]] | None:
         """The next prompt pass that rewrites a finished answer (module docstring): (slot,
         start, tokens), at most `limit` tokens of the most recently freed slot among `free`
-        whose answer is not held yet; None when there is none. :meth:`hold` the slot's tokens
-        through `start + len(tokens)` once the pass ran."""
+        whose answer is not held yet; None when there is none. :meth:`refreshed` once the pass
+        ran."""
         pending = [s for s in free if len(self._written[s]) > len(self._held[s])]
         if limit <= 0 or not pending:
             return None
@@ -144,9 +144,9 @@ class PrefixCache:
         start = len(self._held[slot])
         return slot, start, self._written[slot][start : start + limit].tolist()
 
-    def written(self, slot: int, end: int) -> list[int]:
-        """The first `end` tokens whose K/V `slot` has (prompt, then answer)."""
-        return self._written[slot][:end].tolist()
+    def refreshed(self, slot: int, count: int) -> None:
+        """A pass rewrote the next `count` tokens of `slot`'s answer (:meth:`refresh`)."""
+        self._held[slot] = self._written[slot][: len(self._held[slot]) + count]
 
     def _match(self, slot: int, tokens: np.ndarray, limit: int, salt: str) -> int:
         return _common_prefix(self._held[slot], tokens, limit) if self._salts[slot] == salt else 0

@@ -112,12 +112,12 @@ def test_a_finished_answer_is_refreshed_in_chunks_most_recent_slot_first() -> No
     cache.release(0, [1, 2, 3, 10, 11, 12, 13, 14])
     cache.release(1, [4, 5, 20])
     assert cache.refresh([0, 1, 2], 4) == (1, 2, [20])  # freed last
-    cache.hold(1, cache.written(1, 3))
+    cache.refreshed(1, 1)
     assert cache.refresh([0, 1, 2], 4) == (0, 3, [10, 11, 12, 13])
-    cache.hold(0, cache.written(0, 7))
+    cache.refreshed(0, 4)
     assert cache.refresh([1, 2], 4) is None  # slot 0 is no longer free
     assert cache.refresh([0, 1, 2], 4) == (0, 7, [14])
-    cache.hold(0, cache.written(0, 8))
+    cache.refreshed(0, 1)
     assert cache.refresh([0, 1, 2], 4) is None
     # The whole exchange is held: a next turn reuses it.
     assert cache.plan([1, 2, 3, 10, 11, 12, 13, 14, 30, 31], [0, 1, 2]) == Reuse(0, 8)
