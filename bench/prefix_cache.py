@@ -7,10 +7,13 @@ new tokens, through the gateway's OpenAI-compatible API with streaming, constrai
 schema and not. c1: the 8 questions one after another; c8: all 8 at once; c8 cold: all 8 at
 once under a system prompt no KV slot holds (a new desk number up front); a conversation: 4
 turns, each repeating the exchange so far, 0.2 s of client work between them (turns 2-4
-reported). Three `maskwire up` stacks (the defaults; `--worker-arg=--prefix-refresh-tokens=0`,
-the cache without rewriting finished answers; `--worker-arg=--no-prefix-cache`) are up at once
-and measured in a rotating order per round, so drifting load falls on all alike. Reports per
-figure the medians and the ratios on / off and on / no refresh by round: TTFT, request time and,
+reported); 12 conversations at once, more than the batch has slots, one turn of each in turn
+(turns 2-3 reported). Four `maskwire up` stacks (the defaults;
+`--worker-arg=--prefix-refresh-tokens=0`, the cache without rewriting finished answers;
+`--worker-arg=--prefix-cache-slots=0`, the cache in the batch's slots only;
+`--worker-arg=--no-prefix-cache`) are up at once and measured in a rotating order per round, so
+drifting load falls on all alike. Reports per figure the medians and the ratios of the defaults
+over each other stack by round: TTFT, request time and,
 from the usage chunks, the prompt tokens the cache held
 (`usage.prompt_tokens_details.cached_tokens`).
 
@@ -73,6 +76,7 @@ QUESTIONS = [
     "What is demurrage?",
 ]
 THINK_S = 0.2  # a client's time between an answer and its next turn
+CUSTOMERS = 12  # conversations at once in `conversations`: more than the batch's 8 slots
 # After a stack's workload: its idle work (rewriting the last answers into their slots) ends
 # before the next stack is measured on the same cores.
 SETTLE_S = 1.0
@@ -173,6 +177,28 @@ def conversation(server: Server, ticket: int) -> dict[str, float]:
     }
 
 
+def conversations(server: Server, ticket: int) -> dict[str, float]:
+    """`CUSTOMERS` conversations at once, more than the batch's 8 slots: one turn of each in
+    turn (the others' turns come between two of one customer), 3 turns, 32 new tokens each,
+    `THINK_S` apart. Figures of turns 2-3: whether a conversation's earlier turns are still held
+    when its next one comes."""
+    chats = [[{"role": "system", "content": SYSTEM}] for _ in range(CUSTOMERS)]
+    later: list[dict[str, float]] = []
+    for turn, question in enumerate(QUESTIONS[:3]):
+        for customer, messages in enumerate(chats):
+            messages.append({"role": "user", "content": f"Ticket {ticket + customer}: {question}"})
+            figures, text = chat(server, messages, False, 32)
+            messages.append({"role": "assistant", "content": text})
+            if turn:
+                later.append(figures)
+            time.sleep(THINK_S)
+    return {
+        "many_turn_ttft_ms": statistics.median(r["ttft_ms"] for r in later),
+        "many_turn_request_ms": statistics.median(r["request_ms"] for r in later),
+        "many_turn_cached_share": cached_share(later),
+    }
+
+
 def workload(server: Server, max_tokens: int, ticket: int) -> dict[str, float]:
     """c8 on a system prompt no slot holds (cold), then c1 and c8 on the shared one,
     unconstrained and constrained, on tickets from `ticket` on."""
@@ -197,6 +223,7 @@ def workload(server: Server, max_tokens: int, ticket: int) -> dict[str, float]:
         out[f"c8_{kind}_ttft_ms"] = statistics.median(r["ttft_ms"] for r in c8)
         out[f"c8_{kind}_cached_share"] = cached_share(c8)
     out.update(conversation(server, ticket))
+    out.update(conversations(server, ticket + 1))
     time.sleep(SETTLE_S)
     return out
 
@@ -210,6 +237,7 @@ def main() -> None:
     stacks = {
         "on": start_maskwire([], None),
         "no_refresh": start_maskwire(["--worker-arg=--prefix-refresh-tokens=0"], None),
+        "batch_slots": start_maskwire(["--worker-arg=--prefix-cache-slots=0"], None),
         "off": start_maskwire(["--worker-arg=--no-prefix-cache"], None),
     }
     names = list(stacks)
@@ -243,6 +271,9 @@ def main() -> None:
         "ratio_on_over_no_refresh": {
             k: statistics.median(v) for k, v in ratios("no_refresh").items()
         },
+        "ratio_on_over_batch_slots": {
+            k: statistics.median(v) for k, v in ratios("batch_slots").items()
+        },
         "rounds": rounds,
         "max_tokens": a.max_tokens,
         "load_avg": os.getloadavg(),
@@ -253,11 +284,14 @@ def main() -> None:
     (RESULTS / f"{a.name}.json").write_text(json.dumps(out, indent=1) + "\n")
     with contextlib.suppress(ImportError):
         plot(out, RESULTS / f"{a.name}.png")
-    print("| figure | cache on | no refresh | cache off | on / off | on / no refresh |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        "| figure | cache on | no refresh | batch slots only | cache off | on / off "
+        "| on / no refresh | on / batch slots only |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for k in keys:
         cells = [f"{median[v][k]:.2f}" for v in names]
-        for table in ("ratio_on_over_off", "ratio_on_over_no_refresh"):
+        for table in ("ratio_on_over_off", "ratio_on_over_no_refresh", "ratio_on_over_batch_slots"):
             r = out[table].get(k)
             cells.append("" if r is None else f"{r:.2f}")
         print(f"| {k} | {' | '.join(cells)} |")

@@ -136,7 +136,8 @@ async def serve(config: WorkerConfig) -> int:
     start_metrics_server(listen.metrics_port, listen.host)
     await server.start()
     log.info(
-        "worker serving %s on %s:%d (%s; %s, structured outputs %s, batch %d, context %d) in %.1fs",
+        "worker serving %s on %s:%d (%s; %s, structured outputs %s, batch %d, KV slots %d, "
+        "context %d) in %.1fs",
         worker.model_name,
         listen.host,
         server.port,
@@ -144,6 +145,7 @@ async def serve(config: WorkerConfig) -> int:
         worker.backend.describe(),
         "on" if engine.config.structured_outputs else "off",
         engine.config.max_batch,
+        engine.config.kv_slots,
         engine.config.max_seq_len,
         time.perf_counter() - began,
     )

@@ -184,6 +184,15 @@ def _batch_flags(p: argparse.ArgumentParser) -> None:
         "(default on)",
     )
     g.add_argument(
+        "--prefix-cache-slots",
+        type=int,
+        default=ENGINE.prefix_cache_slots,
+        help="KV slots beyond --max-batch-size that only keep finished requests' prompts and "
+        "answers for later ones, so the prefix cache holds that many more prompts than run at "
+        "once (each costs one slot of KV memory, --max-seq-len positions; default "
+        f"{ENGINE.prefix_cache_slots})",
+    )
+    g.add_argument(
         "--prefix-refresh-tokens",
         type=int,
         default=ENGINE.prefix_refresh_tokens,

@@ -65,7 +65,8 @@ def worker_directory(root: Path, engine: EngineConfig) -> Path:
     # Flat passes' rows go up to it; "auto": the runner's default (`graphs.default_flat_tokens`).
     flat = "auto" if engine.flat_tokens is None else engine.flat_tokens
     ranges = (
-        f"rows{engine.max_batch}-seq{engine.max_seq_len}-verify{engine.verify_width}-flat{flat}"
+        f"rows{engine.max_batch}-slots{engine.kv_slots}-seq{engine.max_seq_len}"
+        f"-verify{engine.verify_width}-flat{flat}"
     )
     flags = " ".join(sorted(cpu_model_and_flags()[1]))
     cpu = hashlib.sha256(flags.encode()).hexdigest()[:8]

@@ -191,6 +191,7 @@ def _engine_config(args: argparse.Namespace, *, overlap: bool, speculative: str)
     _at_least("--max-seq-len", args.max_seq_len, 2)
     _at_least("--max-queue", args.max_queue, 0)
     _at_least("--max-prefill-tokens", args.max_prefill_tokens, 0)
+    _at_least("--prefix-cache-slots", args.prefix_cache_slots, 0)
     _at_least("--prefix-refresh-tokens", args.prefix_refresh_tokens, 0, " (0: never)")
     _at_least("--prefix-refresh-idle-ms", args.prefix_refresh_idle_ms, 0)
     _at_least("--admit-window-ms", args.admit_window_ms, 0, " (0: admit at once)")
@@ -235,6 +236,7 @@ def _engine_config(args: argparse.Namespace, *, overlap: bool, speculative: str)
         bucketed=args.device == "xla",
         structured_outputs=args.structured_outputs,
         prefix_cache=args.prefix_cache,
+        prefix_cache_slots=args.prefix_cache_slots,
         prefix_refresh_tokens=args.prefix_refresh_tokens,
         prefix_refresh_idle_s=args.prefix_refresh_idle_ms / 1e3,
         overlap=overlap,

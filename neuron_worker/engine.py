@@ -81,6 +81,7 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.scheduler = Scheduler(
             max_batch=config.max_batch,
+            kv_slots=config.kv_slots,
             max_queue=config.max_queue,
             max_seq_len=config.max_seq_len,
             batch_buckets=config.batch_buckets,

@@ -39,6 +39,9 @@ class EngineConfig:
     structured_outputs: bool = True
     # A prompt reuses the K/V a slot holds for its prefix (`neuron_worker.prefix_cache`).
     prefix_cache: bool = True
+    # KV slots beyond the batch's that only keep finished requests' prompts (and answers) for
+    # later ones: the cache holds `kv_slots` prompts while `max_batch` requests run.
+    prefix_cache_slots: int = 8
     # While idle, prompt passes of at most this many tokens rewrite finished answers into their
     # slots, for the conversation's next turn (`PrefixCache.refresh`); 0 = never.
     prefix_refresh_tokens: int = 32
@@ -54,6 +57,12 @@ class EngineConfig:
     greedy_kernel: bool = True
     # Speculative decoding (n-gram drafts checked by the grammar); None = off.
     speculative: DraftConfig | None = None
+
+    @property
+    def kv_slots(self) -> int:
+        """KV cache slots (the padding slot aside): one per running request, plus those that
+        only keep prompts for the prefix cache."""
+        return self.max_batch + (self.prefix_cache_slots if self.prefix_cache else 0)
 
     @property
     def verify_width(self) -> int:

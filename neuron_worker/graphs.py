@@ -186,7 +186,9 @@ class ForwardRunner:
         if not (self.dynamic and graph_dir is not None and isinstance(model, nn.Module)):
             return None
         ranges = (
-            f"rows{self.max_rows} seq{self.max_seq} verify{self.verify_width} "
+            # The KV cache's slots (the padding one last) are a static size in every graph.
+            f"rows{self.max_rows} slots{self.pad_slot + 1} seq{self.max_seq} "
+            f"verify{self.verify_width} "
             f"flat{self.flat_tokens}"
         )
         return SavedGraphs(

@@ -3,7 +3,9 @@ with the same tokens (a shared system prompt, a tool list, a repeated request, t
 of a conversation), which then runs only its new tokens through the prompt pass.
 
 Each slot remembers the prompt whose K/V it holds, for as long as nothing overwrites them: while
-its request runs, and after it finishes until the slot is taken again. Only K/V written by a
+its request runs, and after it finishes until the slot is taken again. The worker has more slots
+than requests run at once (`EngineConfig.prefix_cache_slots`), so the cache keeps the prompts of
+that many finished requests beside the running ones. Only K/V written by a
 prompt pass count: a prompt pass runs the dense weights, the steps the quantized ones
 (`neuron_worker.model.linear`), so a prompt reusing a step's K/V would see other numbers than
 one that computes them. A request's generated tokens and the grammar's forced ones are never
@@ -12,11 +14,14 @@ remembered (a grammar may take forced tokens back).
 Requests reuse only what requests with the same cache salt (`GenerateRequest.cache_salt`, a
 tenant's) left: a tenant cannot tell from response times whether another sent a prompt.
 
-A new request takes the free slot holding the longest prefix of its prompt, in place. Where
-another slot (free or running) holds a longer one, by at least `MIN_COPY` tokens, it takes the
-free slot used least recently instead and its prompt pass first copies that prefix there
-(`neuron_worker.graphs.Pass.copies`). At least the prompt's last token always runs: its logits
-are the request's first draw.
+A new request takes, of the free slots, the one holding the longest prefix of its prompt and
+nothing else (an earlier turn of its conversation, the same prompt, or nothing at all), where
+its prompt pass overwrites nothing another request could reuse; where every free slot holds
+something else, the one used least recently. Where another slot (free or running) holds a longer
+prefix of its prompt, by at least `MIN_COPY` tokens, its prompt pass first copies that prefix
+into its slot (`neuron_worker.graphs.Pass.copies`): requests sharing a system prompt each keep
+their own question (and answer) in their own slot. At least the prompt's last token always
+runs: its logits are the request's first draw.
 
 A request's answer is written to its slot by the steps, so it is not held; yet a conversation's
 next turn (an agent's next call) starts with the whole exchange, answer included. While the
@@ -81,7 +86,13 @@ class PrefixCache:
         take, and the prefix it would reuse; changes nothing."""
         tokens = np.asarray(prompt, dtype=np.int64)
         held = [self._match(s, tokens, len(tokens) - 1, salt) for s in range(len(self._held))]
-        slot = max(free, key=lambda s: (held[s], -self._used[s]))
+        # A slot whose whole content starts the prompt (or an empty one) loses nothing to it;
+        # else the slot used least recently gives up what it holds, not one that matched.
+        whole = [s for s in free if self._starts(s, tokens, salt)]
+        if whole:
+            slot = max(whole, key=lambda s: (held[s], -self._used[s]))
+        else:
+            slot = min(free, key=lambda s: self._used[s])
         best = max(range(len(held)), key=held.__getitem__)
         if held[best] - held[slot] >= MIN_COPY:
             return Reuse(min(free, key=lambda s: self._used[s]), held[best], best)
@@ -147,6 +158,11 @@ class PrefixCache:
     def refreshed(self, slot: int, count: int) -> None:
         """A pass rewrote the next `count` tokens of `slot`'s answer (:meth:`refresh`)."""
         self._held[slot] = self._written[slot][: len(self._held[slot]) + count]
+
+    def _starts(self, slot: int, tokens: np.ndarray, salt: str) -> bool:
+        """Whether all that `slot` holds is a prefix of `tokens` (empty: yes)."""
+        n = len(self._held[slot])
+        return n == 0 or self._match(slot, tokens, len(tokens), salt) == n
 
     def _match(self, slot: int, tokens: np.ndarray, limit: int, salt: str) -> int:
         return _common_prefix(self._held[slot], tokens, limit) if self._salts[slot] == salt else 0

@@ -11,7 +11,9 @@ call of the client furthest over its share, which is refused as if the queue had
 it came (RESOURCE_EXHAUSTED). A free slot goes to the oldest waiting request of the client with
 the fewest running requests, between equals to the one admitted least recently (first come,
 first served for a single client). Which free slot a request takes is the prefix cache's choice
-(`neuron_worker.prefix_cache`): the one holding the most of its prompt. A request that shares a
+(`neuron_worker.prefix_cache`): the one holding the most of its prompt. There are more slots
+than the batch has rows (`kv_slots`): at most `max_batch` requests run, and the slots no request
+runs in keep the prompts they hold for later requests. A request that shares a
 longer prefix with one admitted in the same turn waits for that one's prompt pass and copies
 the prefix in the next turn (`PrefixCache.worth_waiting`; once per request); the requests behind
 it go ahead.
@@ -70,6 +72,7 @@ class Scheduler:
         self,
         *,
         max_batch: int,
+        kv_slots: int = 0,
         max_queue: int,
         max_seq_len: int,
         batch_buckets: Sequence[int],
@@ -77,8 +80,11 @@ class Scheduler:
         max_prefill_tokens: int,
         prefix_cache: bool = True,
     ) -> None:
-        """`prefix_cache`: whether a prompt reuses the K/V a slot holds for its prefix
+        """At most `max_batch` requests run, each in one of `kv_slots` KV slots (at least
+        `max_batch`; 0: `max_batch`): the slots no request runs in keep the prompts they hold.
+        `prefix_cache`: whether a prompt reuses the K/V a slot holds for its prefix
         (`PrefixCache`)."""
+        kv_slots = max(kv_slots, max_batch)
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.max_seq_len = max_seq_len
@@ -87,8 +93,8 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._free_slots = list(range(max_batch))
-        self.prefixes = PrefixCache(max_batch, enabled=prefix_cache)
+        self._free_slots = list(range(kv_slots))
+        self.prefixes = PrefixCache(kv_slots, enabled=prefix_cache)
         # When each client with live requests last had one admitted (admission count).
         self._admitted_at: dict[str, int] = {}
         self._admissions = 0
@@ -149,7 +155,7 @@ class Scheduler:
         longest = 0
         prefill_rows = 0
         running = Counter(r.peer for r in self.running)
-        while self._free_slots:
+        while len(self.running) < self.max_batch:
             at = self._next_waiting(running, later)
             if at is None:
                 break
@@ -162,7 +168,7 @@ class Scheduler:
                 and self.waiting[at + len(group)].group == req.group
             ):
                 group.append(self.waiting[at + len(group)])
-            if len(group) > len(self._free_slots):
+            if len(group) > self.max_batch - len(self.running):
                 break
             reused = self.prefixes.plan(req.prompt, self._free_slots, req.cache_salt).length
             if not req.waited and self.prefixes.worth_waiting(

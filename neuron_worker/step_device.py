@@ -161,7 +161,7 @@ class StepDevice:
         self.words = words
         self.greedy = greedy
         # One extra cache slot that padding rows point at, so they can never touch a live slot.
-        self.pad_slot = config.max_batch
+        self.pad_slot = config.kv_slots
         token_buckets = list(config.token_buckets) or pow2_buckets(1, config.max_seq_len)
         self.runner = ForwardRunner(
             model,
@@ -207,9 +207,9 @@ class StepDevice:
 
     # ------------------------------------------------------------------ calls
     def setup(self) -> None:
-        """Allocate the KV cache (one slot per batch row + the padding slot) and the penalty
+        """Allocate the KV cache (`EngineConfig.kv_slots` + the padding slot) and the penalty
         table."""
-        slots = self.config.max_batch + 1
+        slots = self.config.kv_slots + 1
         self.model.setup_caches(slots, self.config.max_seq_len)
         self.occurrences = OccurrenceTable(
             slots=slots, logits_size=self.width, device=self.backend.device

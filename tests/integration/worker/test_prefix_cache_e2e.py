@@ -5,9 +5,9 @@ worker without the cache answers, whether the prefix is reused in place (a repea
 copied from the slot of a request still running (a shared system prompt) or from one sent at the
 same time, or the previous turn's answer rewritten into its slot while the worker was idle,
 constrained or not,
-with n > 1, and per cache salt. Two workers start for it: a slow suite (the default run checks
-reuse through the gateway's shared stack, `cached_tokens` and the same answers, and the engine
-against its fake model)."""
+with n > 1, and per cache salt; and it keeps more prompts than requests run at once. Two workers
+start for it: a slow suite (the default run checks reuse through the gateway's shared stack,
+`cached_tokens` and the same answers, and the engine against its fake model)."""
 
 from __future__ import annotations
 
@@ -173,6 +173,24 @@ async def test_requests_sent_together_compute_a_new_system_prompt_once(
         assert got.ids == want.ids, (got.text, want.text)
 
 
+async def test_more_prompts_are_kept_than_requests_run_at_once(services: Services) -> None:
+    """Batch 4 with the default 8 slots that only keep prompts: after a prompt, 7 others (sent
+    together, they run 4 at a time) leave it held, and sent again it computes its last token
+    only (with a batch's 4 slots alone, the 7 would have evicted it)."""
+    cities = ("Lima", "Oslo", "Cairo", "Perth", "Quito", "Riga", "Dakar", "Hanoi")
+    prompts = [chat(f"Plan a day in {city} for a family with two children.") for city in cities]
+    cached, plain, _, _ = services
+    async with channel(cached.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        await generate(stub, prompts[0], max_tokens=8)
+        await asyncio.gather(*(generate(stub, p, max_tokens=8) for p in prompts[1:]))
+        again = await generate(stub, prompts[0], max_tokens=24)
+    async with channel(plain.address) as ch:
+        alone = await generate(worker_pb2_grpc.WorkerStub(ch), prompts[0], max_tokens=24)
+    assert cached_tokens(again) == again.final.usage.prompt_tokens - 1
+    assert again.ids == alone.ids, (again.text, alone.text)
+
+
 async def test_a_next_turn_reuses_the_answer_refreshed_while_idle(services: Services) -> None:
     """The first turn's answer (written by the 4-bit steps) is rewritten into its slot by idle
     prompt passes; the second turn, which repeats the exchange, computes only its new message
@@ -206,8 +224,10 @@ async def test_constrained_answers_reuse_the_prompt_too(services: Services) -> N
 
 async def test_n_choices_share_a_reused_prompt(services: Services) -> None:
     """The first choice's prompt pass starts after the reused prefix; the others copy all of
-    it from its slot: greedy, every choice is the plain worker's answer."""
-    prompt = SYSTEM + chat("What is a bill of lading?")
+    it from its slot: greedy, every choice is the plain worker's answer. (A system prompt of its
+    own: no other slot holds more than its first tokens.)"""
+    system = SYSTEM.replace("You answer", "At the documents desk you answer")
+    prompt = system + chat("What is a bill of lading?")
     single, plain = await both(services, prompt, max_tokens=20)
     cached, _, _, _ = services
     async with channel(cached.address) as ch:

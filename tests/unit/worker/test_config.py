@@ -60,6 +60,13 @@ def test_the_fused_decode_step_is_on_by_default_and_can_be_turned_off() -> None:
     assert not build("--no-fused-decode").engine.fused_decode
 
 
+def test_the_prefix_cache_keeps_slots_beyond_the_batch() -> None:
+    assert build().engine.kv_slots == 16  # 8 running + 8 that only keep prompts
+    assert build("--max-batch-size", "3", "--prefix-cache-slots", "5").engine.kv_slots == 8
+    assert build("--prefix-cache-slots", "0").engine.kv_slots == 8
+    assert build("--no-prefix-cache").engine.kv_slots == 8  # nothing to keep
+
+
 def test_structured_outputs_off_needs_no_grammar_service() -> None:
     config = worker_config(parse("--disable-structured-outputs"))
     assert config.grammar is None and not config.engine.structured_outputs
@@ -135,6 +142,7 @@ def test_the_context_is_fitted_to_the_models(caplog: pytest.LogCaptureFixture) -
         (("--verify-pass-tokens", "-5"), "--verify-pass-tokens"),
         (("--admit-window-ms", "-1"), "--admit-window-ms"),
         (("--admit-quiet-ms", "-0.5"), "--admit-quiet-ms"),
+        (("--prefix-cache-slots", "-1"), "--prefix-cache-slots"),
         (("--prefix-refresh-tokens", "-1"), "--prefix-refresh-tokens"),
         (("--prefix-refresh-idle-ms", "-1"), "--prefix-refresh-idle-ms"),
         (("--batch-buckets", "0,4"), "--batch-buckets"),

@@ -185,6 +185,7 @@ def make_engine(
     admit_quiet_s: float = 0.004,
     stream_interval_s: float = 0.0,
     prefix_cache: bool = True,
+    prefix_cache_slots: int = 8,
     prefix_refresh_tokens: int = 32,
     prefix_refresh_idle_s: float = 0.05,
 ) -> tuple[Engine, FakeModel]:
@@ -203,6 +204,7 @@ def make_engine(
         jump_forward=jump_forward,
         speculative=speculative,
         prefix_cache=prefix_cache,
+        prefix_cache_slots=prefix_cache_slots,
         prefix_refresh_tokens=prefix_refresh_tokens,
         prefix_refresh_idle_s=prefix_refresh_idle_s,
     )
@@ -522,7 +524,7 @@ async def test_aborting_constrained_requests_frees_grammar_and_slots() -> None:
             await collect(r)
         assert grammar.live == {}
         assert not engine.requests and not engine.scheduler.running
-        assert sorted(engine.scheduler._free_slots) == [0, 1, 2, 3]
+        assert sorted(engine.scheduler._free_slots) == list(range(engine.config.kv_slots))
     finally:
         await engine.stop()
 
@@ -754,6 +756,34 @@ async def test_prompts_reuse_the_prefix_a_slot_holds(enabled: bool, bucketed: bo
     stats = engine.metrics.stats
     assert stats.prompt_tokens_reused == sum(cached)
     assert stats.prompt_tokens_computed == 3 * len(a.prompt) - 1 - sum(cached)
+
+
+@pytest.mark.parametrize("extra", [4, 0], ids=["prompt-slots", "batch-slots-only"])
+async def test_slots_beyond_the_batch_keep_prompts_for_later_requests(extra: int) -> None:
+    """Batch 4, plus 4 slots that only keep prompts: 8 distinct prompts, sent together, run 4
+    at a time and all stay held, so each one sent again runs only its last token (on the
+    batch's slots alone, the first four are gone by then)."""
+    engine, model = make_engine(overlap=False, prefix_cache_slots=extra)
+    prompts = [[NORMAL[i], *NORMAL[40 + i : 60 + i]] for i in range(8)]
+    await engine.start()
+    try:
+        first = [prompt_request(f"a{i}", p) for i, p in enumerate(prompts)]
+        for req in first:
+            await engine.submit(req)
+        for req in first:
+            await collect(req)
+        again = [prompt_request(f"b{i}", p) for i, p in enumerate(prompts[:4])]
+        got = []
+        for req in again:
+            await engine.submit(req)
+            got.append(await collect(req))
+    finally:
+        await engine.stop()
+    assert max(model.rows_per_pass) == 4  # never more running than the batch
+    assert model.cache.shape[0] == 4 + extra + 1  # and the padding slot
+    for req, (ids, _, final) in zip(again, got, strict=True):
+        assert ids == reference(req.prompt, req.sampling.max_tokens, False, 9), req.request_id
+        assert final.usage.cached_prompt_tokens == (len(req.prompt) - 1 if extra else 0)
 
 
 @pytest.mark.parametrize("bucketed", [True, False], ids=["buckets", "dynamic"])

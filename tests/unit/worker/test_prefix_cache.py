@@ -1,5 +1,6 @@
-"""The prefix cache's slot choice: in place where a free slot holds the prompt's prefix, a copy
-from another slot where that holds at least `MIN_COPY` more tokens, least recently used else."""
+"""The prefix cache's slot choice: in place where a free slot holds a prefix of the prompt and
+nothing else, the least recently used free slot else (what other slots hold is kept), and a copy
+from the slot holding the longest prefix where that is at least `MIN_COPY` tokens more."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ def test_a_free_slot_holding_the_prompt_is_reused_in_place_up_to_its_last_token(
     prompt = [*SYSTEM, 7, 8]
     cache.hold(2, prompt)
     assert cache.plan(prompt, [0, 1, 2, 3]) == Reuse(2, len(prompt) - 1)
-    # A longer prompt reuses all of the held one; a shorter one all but its last token.
+    # A longer prompt (the conversation's next turn) reuses all of the held one.
     assert cache.plan([*prompt, 9], [0, 1, 2, 3]) == Reuse(2, len(prompt))
-    assert cache.plan(SYSTEM[:10], [0, 1, 2, 3]) == Reuse(2, 9)
+    # A shorter one would overwrite the rest: it copies its prefix into an empty slot, or, under
+    # MIN_COPY tokens, computes it there.
+    assert cache.plan(SYSTEM[:30], [0, 1, 2, 3]) == Reuse(0, 29, 2)
+    assert cache.plan(SYSTEM[:10], [0, 1, 2, 3]) == Reuse(0, 0)
     assert cache.plan([5], [0, 1, 2, 3]).length == 0  # a one-token prompt computes it
 
 
@@ -26,16 +30,23 @@ def served(cache: PrefixCache, slot: int, prompt: list[int]) -> None:
     cache.release(slot)
 
 
-def test_the_slot_with_the_longest_prefix_wins_and_ties_go_to_the_least_recently_used() -> None:
+def test_a_prompt_sharing_a_slot_s_prefix_keeps_that_slot_s_own_tokens() -> None:
+    """Slot 0 holds the system prompt and its own question: the next question copies the system
+    prompt into the slot used least recently instead of overwriting slot 0's question (which a
+    repeat of it, or its conversation's next turn, reuses)."""
     cache = PrefixCache(4)
     served(cache, 0, [*SYSTEM, 1])
     served(cache, 1, [*SYSTEM[:20], 99])
     served(cache, 2, [7])
-    assert cache.plan([*SYSTEM, 2], [0, 1, 2, 3]) == Reuse(0, len(SYSTEM))
-    assert cache.plan([*SYSTEM[:20], 5], [1, 2, 3]) == Reuse(1, 20)
+    assert cache.plan([*SYSTEM, 2], [0, 1, 2, 3]) == Reuse(3, len(SYSTEM), 0)  # 3: empty
+    assert cache.plan([*SYSTEM, 2], [0, 1, 2]) == Reuse(0, len(SYSTEM))  # 0: used longest ago
+    assert cache.plan([*SYSTEM[:20], 5], [1, 2]) == Reuse(1, 20)  # 2 is newer than 1
     # No match anywhere: the slot used longest ago (3 was never used, then 0, 1, 2).
     assert cache.plan([77, 78], [0, 1, 2, 3]) == Reuse(3, 0)
     assert cache.plan([77, 78], [0, 1, 2]) == Reuse(0, 0)
+    # Between slots holding a prefix and nothing else, the longest prefix wins.
+    served(cache, 3, SYSTEM[:30])
+    assert cache.plan([*SYSTEM, 2], [0, 1, 2, 3]) == Reuse(3, 30)
 
 
 def test_a_prefix_another_slot_holds_is_copied_into_the_least_recently_used_free_slot() -> None:
@@ -52,13 +63,13 @@ def test_a_prefix_another_slot_holds_is_copied_into_the_least_recently_used_free
 
 
 def test_taking_a_slot_keeps_only_what_it_holds_of_the_new_prompt() -> None:
-    cache = PrefixCache(2)
+    cache = PrefixCache(1)
     cache.hold(0, [*SYSTEM, 1, 2, 3])
-    reuse = cache.take([*SYSTEM, 4], [0, 1])
+    reuse = cache.take([*SYSTEM, 4], [0])
     assert reuse == Reuse(0, len(SYSTEM))
     assert cache.held(0) == SYSTEM  # until the prompt pass writes the rest
     cache.hold(0, [*SYSTEM, 4])
-    assert cache.plan([*SYSTEM, 4, 5], [0, 1]) == Reuse(0, len(SYSTEM) + 1)
+    assert cache.plan([*SYSTEM, 4, 5], [0]) == Reuse(0, len(SYSTEM) + 1)
 
 
 def test_disabled_it_holds_nothing() -> None:
@@ -77,7 +88,7 @@ def test_a_prompt_cached_under_another_salt_is_neither_reused_nor_copied() -> No
     cache.hold(1, [*SYSTEM, 2])
     assert cache.plan([*SYSTEM, 3], [0, 2], salt="tenant-b") == Reuse(2, 0)
     assert cache.plan([*SYSTEM, 3], [0, 2]) == Reuse(2, 0)  # no salt is a salt of its own
-    assert cache.plan([*SYSTEM, 3], [0, 2], salt="tenant-a") == Reuse(0, len(SYSTEM))
+    assert cache.plan([*SYSTEM, 3], [0, 2], salt="tenant-a") == Reuse(2, len(SYSTEM), 0)
     # Taken by another tenant, slot 0 is that tenant's: only the running slot 1 serves a.
     cache.take([*SYSTEM, 4], [0], salt="tenant-b")
     assert cache.plan([*SYSTEM, 1], [0, 2], salt="tenant-a") == Reuse(2, len(SYSTEM), 1)

@@ -260,3 +260,48 @@ def test_a_request_that_ended_normally_leaves_its_answer_to_refresh() -> None:
     s.release(done, answered=True)
     s.release(failed)
     assert s.refresh(100) == (slot, 4, list(range(100, 160)))
+
+
+def test_slots_beyond_the_batch_keep_prompts_but_never_run_more_than_the_batch() -> None:
+    """Two running at most, four slots: four distinct prompts run two by two and stay held, so
+    each one sent again reuses its whole prefix; a batch's worth of slots would hold only the
+    last two."""
+    s = sched(max_batch=2, kv_slots=4, max_queue=8)
+    prompts = [[10 * i + t for t in range(40)] for i in range(1, 5)]
+    slots = []
+    for pair in (prompts[:2], prompts[2:]):
+        reqs = [make(i) for i in range(2)]
+        for r, prompt in zip(reqs, pair, strict=True):
+            r.prompt = prompt
+            s.enqueue([r])
+        late = make(9)
+        s.enqueue([late])
+        assert s.admit() == reqs and len(s.running) == 2  # the third waits: the batch is full
+        s.release(late)
+        for r in reqs:
+            s.prefixes.hold(r.slot, r.prompt)
+            slots.append(r.slot)
+            s.release(r)
+    assert sorted(slots) == [0, 1, 2, 3]
+    for prompt, slot in zip(prompts, slots, strict=True):
+        again = make(5)
+        again.prompt = prompt
+        s.enqueue([again])
+        assert s.admit() == [again] and again.reuse == Reuse(slot, 39)
+        s.release(again)
+
+
+def test_without_slots_beyond_the_batch_the_oldest_prompts_are_evicted() -> None:
+    s = sched(max_batch=2, max_queue=8)
+    prompts = [[10 * i + t for t in range(40)] for i in range(1, 5)]
+    for prompt in prompts:
+        r = make(0)
+        r.prompt = prompt
+        s.enqueue([r])
+        assert s.admit() == [r]
+        s.prefixes.hold(r.slot, r.prompt)
+        s.release(r)
+    first = make(1)
+    first.prompt = prompts[0]
+    s.enqueue([first])
+    assert s.admit() == [first] and first.reuse.length == 0
