@@ -451,8 +451,9 @@ class Engine:
 
     async def _idle(self) -> None:
         """Nothing to run: wait for a request; with a finished answer to refresh, at most until
-        the worker has been idle `prefix_refresh_idle_s`."""
-        if self.scheduler.refresh(self.config.prefix_refresh_tokens) is None:
+        the worker has been idle `prefix_refresh_idle_s`. A request still opening its grammar
+        is about to be queued: no refresh pass until it is (its submit wakes the loop)."""
+        if self._opening or self.scheduler.refresh(self.config.prefix_refresh_tokens) is None:
             await self._wake.wait()
             return
         with contextlib.suppress(TimeoutError):
@@ -469,7 +470,7 @@ class Engine:
         its next request at once (a pipeline, a benchmark) finds the worker free: the passes
         wait until it has been idle `prefix_refresh_idle_s`. Returns whether one ran."""
         todo = self.scheduler.refresh(self.config.prefix_refresh_tokens)
-        if todo is None or self._until_refresh() > 0:
+        if todo is None or self._opening or self._until_refresh() > 0:
             return False
         slot, start, tokens = todo
         started = time.perf_counter()

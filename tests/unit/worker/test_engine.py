@@ -891,6 +891,44 @@ async def test_a_request_sent_at_once_never_waits_for_a_refresh_pass() -> None:
     assert kinds.count("prefill") == 2 and "refresh" not in kinds, kinds
 
 
+async def test_no_refresh_pass_starts_while_a_request_opens_its_grammar() -> None:
+    """A constrained request whose grammar takes 0.3 s to open arrives while a long answer is
+    being rewritten into its slot (passes of 4 tokens, 20 ms each): no further refresh pass
+    starts while it opens (each would hold up its admission); the rest run after it."""
+    engine, _ = make_engine(overlap=False, prefix_refresh_tokens=4, prefix_refresh_idle_s=0.0)
+    kinds: list[str] = []
+
+    async def record(batch: ForwardBatch) -> None:
+        kinds.append(batch.kind)
+        if batch.kind == "refresh":
+            await asyncio.sleep(0.02)
+
+    before_each_pass(engine, record)
+    grammar = engine.grammar
+    assert isinstance(grammar, FakeGrammar)
+    a = prompt_request("a", list(NORMAL[10:30]), max_tokens=120)
+    b = request(1, constrained=True, max_tokens=4)
+    grammar.open_s[b.request_id] = 0.3
+    await engine.start()
+    try:
+        await engine.submit(a)
+        await collect(a)
+        await asyncio.sleep(0.05)  # a's answer is being rewritten
+        kinds.append("b arrives")
+        await engine.submit(b)
+        await collect(b)
+        for _ in range(500):
+            if engine.scheduler.refresh(4) is None:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await engine.stop()
+    arrived = kinds.index("b arrives")
+    admitted = kinds.index("prefill", arrived)
+    assert kinds[:arrived].count("refresh") > 0 and kinds[arrived:admitted].count("refresh") <= 1
+    assert kinds[-1] == "refresh", kinds  # and the rest of the answer after b
+
+
 async def test_abort_by_call_id_stops_every_choice() -> None:
     from neuron_worker.servicer import _choices
 
