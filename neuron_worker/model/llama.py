@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -45,17 +44,6 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A zeroed cache tensor. On a CPU its pages come from `calloc` (numpy's zeros), which the
-    kernel maps zeroed on first write: the slots that only keep prompts cost memory once they
-    are used, and a start does not spend a second zeroing gigabytes."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    size = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(int(np.prod(shape)) * size, dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype).view(shape)
-
-
 class KVCache(nn.Module):
     """K/V for `max_batch` slots x `max_seq` positions, plus one scratch position per slot.
 
@@ -79,8 +67,11 @@ class KVCache(nn.Module):
     ) -> None:
         super().__init__()
         shape = (max_batch, n_kv_heads, max_seq + 1, head_dim)
-        self.register_buffer("k_cache", _zeros(shape, dtype, device), persistent=False)
-        self.register_buffer("v_cache", _zeros(shape, dtype, device), persistent=False)
+        # Zeroed, and so in memory, at start: written first while serving, pages the kernel maps
+        # on demand cost ~70 us each in a VM (~0.4 s for a 500-token prompt's slot, measured).
+        zeros = torch.zeros(shape, dtype=dtype, device=device)
+        self.register_buffer("k_cache", zeros, persistent=False)
+        self.register_buffer("v_cache", torch.zeros_like(zeros), persistent=False)
 
     def update(self, slots: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
         """slots, pos: int64 [B, T]; k, v: [B, T, n_kv_heads, head_dim]."""
