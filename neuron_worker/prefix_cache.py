@@ -95,7 +95,7 @@ class PrefixCache:
             slot = min(free, key=lambda s: self._used[s])
         best = max(range(len(held)), key=held.__getitem__)
         if held[best] - held[slot] >= MIN_COPY:
-            return Reuse(min(free, key=lambda s: self._used[s]), held[best], best)
+            return Reuse(slot, held[best], best)
         return Reuse(slot, held[slot])
 
     def take(self, prompt: Sequence[int], free: Sequence[int], salt: str = "") -> Reuse:

@@ -49,17 +49,29 @@ def test_a_prompt_sharing_a_slot_s_prefix_keeps_that_slot_s_own_tokens() -> None
     assert cache.plan([*SYSTEM, 2], [0, 1, 2, 3]) == Reuse(3, 30)
 
 
-def test_a_prefix_another_slot_holds_is_copied_into_the_least_recently_used_free_slot() -> None:
+def test_a_prefix_a_running_slot_holds_is_copied_into_a_free_one() -> None:
     cache = PrefixCache(4)
     served(cache, 0, SYSTEM[:5])
     served(cache, 1, [9])
     cache.take([*SYSTEM, 1, 2], [3])  # a running request's slot: not free
     cache.hold(3, [*SYSTEM, 1, 2])
     reuse = cache.plan([*SYSTEM, 5], [0, 1, 2])
-    assert reuse == Reuse(2, len(SYSTEM), 3)  # 2 was never used; 0 keeps its own prefix
+    assert reuse == Reuse(0, len(SYSTEM), 3)  # 0 holds a prefix of it: it loses nothing
     # Less than MIN_COPY more than a free slot holds: computed, in that slot.
     served(cache, 0, SYSTEM[: len(SYSTEM) - MIN_COPY + 1])
     assert cache.plan([*SYSTEM, 5], [0, 1, 2]) == Reuse(0, len(SYSTEM) - MIN_COPY + 1)
+
+
+def test_a_copy_goes_to_a_slot_that_holds_only_a_prefix_of_the_prompt() -> None:
+    """Slot 0 holds the prompt's first 20 tokens and nothing else, slot 1 (used longest ago)
+    another prompt, slot 2 (running) the prompt's first 40: the copy overwrites slot 0, which
+    loses nothing to it, and slot 1 keeps its prompt."""
+    cache = PrefixCache(3)
+    served(cache, 1, [7, 8, 9])
+    served(cache, 0, SYSTEM[:20])
+    cache.take([*SYSTEM, 1], [2])
+    cache.hold(2, [*SYSTEM, 1])
+    assert cache.plan([*SYSTEM, 5], [0, 1]) == Reuse(0, len(SYSTEM), 2)
 
 
 def test_taking_a_slot_keeps_only_what_it_holds_of_the_new_prompt() -> None:
