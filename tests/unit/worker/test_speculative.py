@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
+import types
 from collections.abc import Sequence
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 
 from maskwire.v1 import common_pb2, worker_pb2
+from neuron_worker import engine as engine_module
 from neuron_worker.detokenize import Detokenizer
 from neuron_worker.drafter import (
     DraftBudget,
     DraftConfig,
+    DraftKind,
     NgramDrafter,
     TextDrafter,
     accepted_prefix,
@@ -363,18 +368,27 @@ async def test_speculation_changes_no_output_and_saves_passes(
 
 async def gated_run(verify_s: float, decode_s: float) -> tuple[Engine, list[Any], list[Any]]:
     """The workload on a plain engine and on a gated speculative one whose verification passes
-    take `verify_s` more and decode passes `decode_s` more (a stand-in for the device's costs)."""
+    take `verify_s` and decode passes `decode_s` (a stand-in for the device's costs) on the
+    clock the engine times its steps with; the fake model's own time hardly counts on it, so
+    a busy host does not move the gate's decisions."""
     plain, plain_model = make_engine(overlap=True, limit=30)
     plain_model.rule = periodic
     want = await run(plain, workload(0.0))
     spec, spec_model = make_engine(overlap=True, limit=30, speculative=token_drafts(4, gate=True))
     spec_model.rule = periodic
+    passed = 0.0
+
+    def clock() -> float:
+        return time.perf_counter() / 1000 + passed
 
     async def costed(batch: ForwardBatch) -> None:
-        await asyncio.sleep(verify_s if batch.kind == "verify" else decode_s)
+        nonlocal passed
+        passed += verify_s if batch.kind == "verify" else decode_s
 
     before_each_pass(spec, costed)
-    got = await run(spec, workload(0.0))
+    timing = types.SimpleNamespace(perf_counter=clock, monotonic=time.monotonic)
+    with mock.patch.object(engine_module, "time", timing):
+        got = await run(spec, workload(0.0))
     for (ids, text, _), (ids0, text0, _) in zip(got, want, strict=True):
         assert ids == ids0 and text == text0
     return spec, got, want
@@ -397,6 +411,11 @@ async def test_the_gate_verifies_drafts_that_pay_for_their_pass() -> None:
     spec, got, want = await gated_run(verify_s=0.01, decode_s=0.01)
     stats = spec.metrics.stats
     assert stats.draft_accepted > 0 and stats.draft_declined < stats.draft_proposed / 4
+    # Each verification taught the pool of its drafts' kind (the periodic text's copies are
+    # mostly accepted).
+    assert spec.speculator is not None
+    free = spec.speculator.pools[DraftKind.FREE]
+    assert free.accepted > free.rejections > 0
     assert sum(f.usage.forward_passes for *_, f in got) < sum(
         f.usage.forward_passes for *_, f in want
     )
@@ -540,6 +559,46 @@ def test_the_gate_can_verify_a_closing_copy_without_the_grammars_tail(verify: Ve
     room = spec.forced_drafts
     want = [0, room] if verify == Verify.DRAFTS else [room, room]
     assert engine.speculator.forced_room(reqs) == want
+
+
+def test_a_new_request_starts_from_what_drafts_of_its_kind_had_lately() -> None:
+    """A step of one row: a plain pass takes 10 ms, a verification of 4 drafts 13 ms and one
+    with the grammar's tail after them 20 ms. Drafts at the even prior (0.5) pay for their pass;
+    once free-text drafts have been rejected request after request, a new free-text request's
+    drafts are declined at its first step, while a constrained copy that closes a string (a
+    kind whose drafts have no record yet) is still verified."""
+    engine, _ = make_engine(overlap=False, limit=30, speculative=token_drafts(4, gate=True))
+    spec = engine.config.speculative
+    speculator = engine.speculator
+    assert spec is not None and speculator is not None and speculator.gate is not None
+    gate = speculator.gate
+    gate.probe = 1000
+    gate.record(1, 1, 0, 0.010)
+    gate.record(1, 5, 4, 0.013)
+    gate.record(1, 9, 8, 0.020)
+    closing = next(t for t in range(TOK.vocab_size) if TOK.token_bytes(t) == b'"')
+    copies = {
+        "free": [NORMAL[4], NORMAL[2], NORMAL[3], NORMAL[5]],
+        "closing": [NORMAL[4], NORMAL[2], NORMAL[3], closing],
+    }
+
+    def request(i: int, kind: str) -> Request:
+        r = make_request(i, constrained=kind == "closing", max_tokens=30)
+        r.drafter = Scripted(copies[kind])  # type: ignore[assignment]
+        r.budget = DraftBudget(spec)
+        r.pending = NORMAL[1]
+        if kind == "closing":
+            r.grammar = object()  # type: ignore[assignment]
+        return r
+
+    first = request(0, "free")
+    assert speculator.plan([first]) == {first: copies["free"]}
+    for _ in range(30):
+        speculator.pools[DraftKind.FREE].record(4, 0)
+    late = request(1, "free")
+    assert speculator.plan([late]) == {}
+    copy = request(2, "closing")
+    assert speculator.plan([copy]) == {copy: copies["closing"]}
 
 
 class Counted(Scripted):
