@@ -15,10 +15,7 @@ latest earlier occurrence of its longest recent suffix:
 
 :class:`DraftBudget` decides how many drafts a request gets per step: it grows after fully
 accepted drafts, halves after fully rejected ones and, after a run of misses, pauses drafting for
-a cooldown that doubles each time, so a request whose text never repeats soon pays nothing. Its
-acceptance estimate starts from what all requests' drafts of the same kind (:class:`DraftKind`)
-have had lately (:class:`AcceptancePool`), so a new request does not pay again for what others
-found.
+a cooldown that doubles each time, so a request whose text never repeats soon pays nothing.
 
 The drafters are deterministic: with the acceptance rule of the engine (a draft is kept iff the
 token sampled at its position equals it) the output distribution is exactly the target's.
@@ -26,7 +23,6 @@ token sampled at its position equals it) the output distribution is exactly the 
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -327,40 +323,6 @@ class TextDrafter:
 
 # The weight of a request's previous verification against its latest in its acceptance estimate.
 RECENT = 0.7
-# The same weight in an `AcceptancePool`: about the last 30 verifications of all requests.
-POOL_RECENT = 0.97
-
-
-class DraftKind(enum.Enum):
-    """What a row's drafts are, for the acceptance they can expect before their own
-    verifications say (`AcceptancePool`)."""
-
-    FREE = "drafts of unconstrained text"
-    CONSTRAINED = "drafts inside a constrained output"
-    CLOSING = "a copy that closes a string of a constrained output"
-
-
-@dataclass
-class AcceptancePool:
-    """Draft acceptance over the recent verifications of every request's drafts of one kind: the
-    prior of a request's own estimate (`DraftBudget.acceptance`). A request starts with no
-    verifications of its own, and a prior of one draft accepted and one rejected (0.5) made the
-    gate verify free text whose drafts were accepted one time in ten at c1 (67 verifications for
-    11 accepted drafts in 64-token answers): each request paid for its first misses again."""
-
-    accepted: float = 0.0
-    rejections: float = 0.0
-
-    def rate(self) -> float:
-        """Accepted drafts over accepted drafts and rejections, from a prior of one of each."""
-        return (self.accepted + 1) / (self.accepted + self.rejections + 2)
-
-    def record(self, proposed: int, accepted: int) -> None:
-        """A verification of `proposed` drafts of this kind, the first `accepted` of them kept."""
-        if proposed <= 0:
-            return
-        self.accepted = POOL_RECENT * self.accepted + accepted
-        self.rejections = POOL_RECENT * self.rejections + (accepted < proposed)
 
 
 @dataclass
@@ -390,13 +352,10 @@ class DraftBudget:
             return 0
         return self.k
 
-    def acceptance(self, prior: float = 0.5) -> float:
+    def acceptance(self) -> float:
         """The chance that a draft is accepted given the ones before it were: recent accepted
-        drafts over recent accepted drafts and rejections, from a prior worth two verifications
-        at `prior` (the pool of the drafts' kind, `AcceptancePool.rate`)."""
-        return (self.recent_accepted + 2 * prior) / (
-            self.recent_accepted + self.recent_rejections + 2
-        )
+        drafts over recent accepted drafts and rejections, from a prior of one of each."""
+        return (self.recent_accepted + 1) / (self.recent_accepted + self.recent_rejections + 2)
 
     def record(self, proposed: int, accepted: int) -> None:
         """The outcome of a verification: `proposed` drafts reached the forward pass and the

@@ -8,8 +8,7 @@ ran at 0.67x with speculation, the verify pass alone costing 1.37x a decode pass
 second, for the step at hand,
 
     expected tokens / cost of a speculative step of its width   (each drafting row:
-        1 + a + a^2 + ... + a^k for its k drafts, a its acceptance estimate,
-        `DraftBudget.acceptance`; other rows: 1)
+        1 + a + a^2 + ... + a^k for its k drafts, a its acceptance so far; other rows: 1)
     rows / cost of a plain step of its width
 
 and speculates when the first is at least the second. Either step also forwards the grammar's

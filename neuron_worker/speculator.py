@@ -20,15 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from maskwire.tokenizer import Tokenizer
-from neuron_worker.drafter import (
-    AcceptancePool,
-    DraftBudget,
-    DraftConfig,
-    Drafter,
-    DraftKind,
-    accepted_prefix,
-    new_drafter,
-)
+from neuron_worker.drafter import DraftBudget, DraftConfig, Drafter, accepted_prefix, new_drafter
 from neuron_worker.engine_config import EngineConfig
 from neuron_worker.grammar_client import RowOutcome
 from neuron_worker.ledger import Ledger
@@ -94,10 +86,6 @@ class Speculator:
         self.gate = SpeculationGate() if config.gate else None
         # Moving average of the grammar's drafts after a row's own (`rows`).
         self.forced_tail = config.forced_drafts / 2
-        # Acceptance of recent drafts of all requests, by kind: each request's prior.
-        self.pools = {kind: AcceptancePool() for kind in DraftKind}
-        # This step's drafts' kinds, by request, for the pools at commit.
-        self._kinds: dict[Request, DraftKind] = {}
         # This step's rows whose drafts are verified without the grammar's tail after them.
         self._tailless: set[Request] = set()
         # The tokens of this step's pass that are rows' own drafts and the tails after them.
@@ -128,7 +116,6 @@ class Speculator:
         (with or without the grammar's forced tails after them), or none."""
         self._tailless = set()
         self._own_tokens = 0
-        self._kinds = {}
         spec = self.config
         left = spec.pass_tokens - len(batch) if spec.pass_tokens else None
         drafts: Drafts = {}
@@ -153,7 +140,6 @@ class Speculator:
                 left -= len(d)
             if d:
                 drafts[r] = d
-                self._kinds[r] = self._kind(r, d)
                 self.metrics.drafts(proposed=len(d))
         return self._worth_verifying(batch, drafts)
 
@@ -169,8 +155,7 @@ class Speculator:
             # Drafts that close a quoted string are likely to get the grammar's forced tokens
             # after them (the next key), as many as such tails have had so far.
             tail = self.forced_tail if self._brings_tail(r, d) else 0.0
-            prior = self.pools[self._kinds[r]].rate()
-            rows.append((len(d), r.budget.acceptance(prior), tail))
+            rows.append((len(d), r.budget.acceptance(), tail))
         verify = self.gate.decide(len(batch), rows)
         if verify == Verify.DRAFTS:
             self._tailless = set(drafts)
@@ -188,11 +173,6 @@ class Speculator:
 
     def _closes_quote(self, drafts: list[int]) -> bool:
         return self.tokenizer.token_bytes(drafts[-1]).endswith(b'"')
-
-    def _kind(self, r: Request, drafts: list[int]) -> DraftKind:
-        if r.grammar is None:
-            return DraftKind.FREE
-        return DraftKind.CLOSING if self._brings_tail(r, drafts) else DraftKind.CONSTRAINED
 
     def _brings_tail(self, r: Request, drafts: list[int]) -> bool:
         """Whether `drafts` may get the grammar's forced tail: they close a quoted string of a
@@ -316,9 +296,6 @@ class Speculator:
         a = accepted_prefix(drawn, d, forced)
         if r.budget is not None and row.own_drafts:
             r.budget.record(row.own_drafts, min(a, row.own_drafts))
-            kind = self._kinds.get(r)
-            if kind is not None:
-                self.pools[kind].record(row.own_drafts, min(a, row.own_drafts))
         r.draft_tokens += len(d)
         r.accepted_drafts += a
         emitted = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from neuron_worker.drafter import AcceptancePool, DraftBudget, DraftConfig
+from neuron_worker.drafter import DraftBudget, DraftConfig
 from neuron_worker.speculation_gate import PassCosts, SpeculationGate, Verify, expected_tokens
 
 
@@ -142,24 +142,6 @@ def test_a_budgets_acceptance_estimate_follows_its_verifications() -> None:
     for _ in range(8):
         budget.record(1, 0)  # a run of misses: the estimate follows them down
     assert budget.acceptance() < 0.25
-
-
-def test_a_new_requests_estimate_starts_from_the_pool_of_recent_drafts() -> None:
-    pool = AcceptancePool()
-    assert pool.rate() == 0.5  # nothing verified yet: one accepted, one rejected
-    for _ in range(40):
-        pool.record(2, 0)  # free text: drafts rejected, request after request
-    pool.record(4, 1)
-    pool.record(0, 0)  # nothing verified: nothing learnt
-    assert 0.05 < pool.rate() < 0.1
-    budget = DraftBudget(DraftConfig(num_draft_tokens=4))
-    assert budget.acceptance(pool.rate()) == pytest.approx(pool.rate())
-    budget.record(4, 4)
-    budget.record(4, 4)  # its own copies accepted: they outweigh the pool
-    assert budget.acceptance(pool.rate()) > 0.75
-    for _ in range(200):
-        pool.record(4, 4)  # the pool forgets: about the last 30 verifications count
-    assert pool.rate() > 0.95
 
 
 def test_the_grammars_forced_tails_are_tried_first_then_the_drafts_alone() -> None:

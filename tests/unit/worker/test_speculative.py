@@ -21,7 +21,6 @@ from neuron_worker.detokenize import Detokenizer
 from neuron_worker.drafter import (
     DraftBudget,
     DraftConfig,
-    DraftKind,
     NgramDrafter,
     TextDrafter,
     accepted_prefix,
@@ -411,11 +410,6 @@ async def test_the_gate_verifies_drafts_that_pay_for_their_pass() -> None:
     spec, got, want = await gated_run(verify_s=0.01, decode_s=0.01)
     stats = spec.metrics.stats
     assert stats.draft_accepted > 0 and stats.draft_declined < stats.draft_proposed / 4
-    # Each verification taught the pool of its drafts' kind (the periodic text's copies are
-    # mostly accepted).
-    assert spec.speculator is not None
-    free = spec.speculator.pools[DraftKind.FREE]
-    assert free.accepted > free.rejections > 0
     assert sum(f.usage.forward_passes for *_, f in got) < sum(
         f.usage.forward_passes for *_, f in want
     )
@@ -559,46 +553,6 @@ def test_the_gate_can_verify_a_closing_copy_without_the_grammars_tail(verify: Ve
     room = spec.forced_drafts
     want = [0, room] if verify == Verify.DRAFTS else [room, room]
     assert engine.speculator.forced_room(reqs) == want
-
-
-def test_a_new_request_starts_from_what_drafts_of_its_kind_had_lately() -> None:
-    """A step of one row: a plain pass takes 10 ms, a verification of 4 drafts 13 ms and one
-    with the grammar's tail after them 20 ms. Drafts at the even prior (0.5) pay for their pass;
-    once free-text drafts have been rejected request after request, a new free-text request's
-    drafts are declined at its first step, while a constrained copy that closes a string (a
-    kind whose drafts have no record yet) is still verified."""
-    engine, _ = make_engine(overlap=False, limit=30, speculative=token_drafts(4, gate=True))
-    spec = engine.config.speculative
-    speculator = engine.speculator
-    assert spec is not None and speculator is not None and speculator.gate is not None
-    gate = speculator.gate
-    gate.probe = 1000
-    gate.record(1, 1, 0, 0.010)
-    gate.record(1, 5, 4, 0.013)
-    gate.record(1, 9, 8, 0.020)
-    closing = next(t for t in range(TOK.vocab_size) if TOK.token_bytes(t) == b'"')
-    copies = {
-        "free": [NORMAL[4], NORMAL[2], NORMAL[3], NORMAL[5]],
-        "closing": [NORMAL[4], NORMAL[2], NORMAL[3], closing],
-    }
-
-    def request(i: int, kind: str) -> Request:
-        r = make_request(i, constrained=kind == "closing", max_tokens=30)
-        r.drafter = Scripted(copies[kind])  # type: ignore[assignment]
-        r.budget = DraftBudget(spec)
-        r.pending = NORMAL[1]
-        if kind == "closing":
-            r.grammar = object()  # type: ignore[assignment]
-        return r
-
-    first = request(0, "free")
-    assert speculator.plan([first]) == {first: copies["free"]}
-    for _ in range(30):
-        speculator.pools[DraftKind.FREE].record(4, 0)
-    late = request(1, "free")
-    assert speculator.plan([late]) == {}
-    copy = request(2, "closing")
-    assert speculator.plan([copy]) == {copy: copies["closing"]}
 
 
 class Counted(Scripted):
