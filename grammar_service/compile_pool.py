@@ -94,8 +94,9 @@ class Compiler:
         self._tokenizer_index: dict[int, int] = {}
 
     async def start(self, tokenizers: list[Tokenizer], timeout_s: float = 120.0) -> None:
-        """Start the sandbox's children for these tokenizers (in the order the sandbox got) and
-        wait until one can compile. Raises SandboxUnavailable after `timeout_s`."""
+        """Start the sandbox's children, where not started yet, for these tokenizers (in the order
+        the sandbox got) and wait until one can compile. Raises SandboxUnavailable after
+        `timeout_s`."""
         self._tokenizer_index = {id(t): i for i, t in enumerate(tokenizers)}
         if self.sandbox is not None:
             self.sandbox.start()

@@ -233,7 +233,9 @@ class Sandbox:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start every child in the background (jobs wait until one is ready)."""
+        """Start every child in the background (jobs wait until one is ready); once."""
+        if self._loop is not None:
+            return
         self._loop = asyncio.get_running_loop()
         for child in self._children:
             self._restart(child)
@@ -273,6 +275,8 @@ class Sandbox:
             try:
                 child.start(self.specs, self.limits, self.config)
             except Exception as e:
+                if self._closed:  # the service stopped while this child started
+                    return
                 log.error("compile worker %d failed to start: %s", child.slot, e)
                 loop.call_soon_threadsafe(self._start_failed, child, attempt, str(e))
                 return

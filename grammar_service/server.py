@@ -27,7 +27,22 @@ log = logging.getLogger("grammar_service")
 SERVICE_NAME = grammar_pb2.DESCRIPTOR.services_by_name["GrammarService"].full_name
 
 
-def build_runtime(config: ServiceConfig) -> Runtime:
+def start_sandbox(config: ServiceConfig) -> Sandbox | None:
+    """The compile sandbox, its children already starting: each loads the tokenizers (about a
+    second) on another core while this process loads its own (`build_runtime`)."""
+    faults = testing_faults(config.process.testing_faults)
+    if config.sandbox is None:
+        return None
+    sandbox = Sandbox(
+        config.tokenizers,
+        config.parser_limits,
+        dataclasses.replace(config.sandbox, testing_faults=faults),
+    )
+    sandbox.start()
+    return sandbox
+
+
+def build_runtime(config: ServiceConfig, sandbox: Sandbox | None) -> Runtime:
     formats.warm_up()
     tokenizers = []
     for spec in config.tokenizers:
@@ -43,14 +58,6 @@ def build_runtime(config: ServiceConfig) -> Runtime:
             fp.short(),
         )
         tokenizers.append(tok)
-    faults = testing_faults(config.process.testing_faults)
-    sandbox = None
-    if config.sandbox is not None:
-        sandbox = Sandbox(
-            config.tokenizers,
-            config.parser_limits,
-            dataclasses.replace(config.sandbox, testing_faults=faults),
-        )
     settings = config.compile
     compiler = Compiler(
         limits=config.parser_limits, bounds=config.bounds, settings=settings, sandbox=sandbox
@@ -86,10 +93,13 @@ def testing_faults(armed: bool) -> str:
 
 async def main(config: ServiceConfig) -> int:
     use_large_thread_stacks(config.process.thread_stack_mb)
+    sandbox = start_sandbox(config)
     try:
-        runtime = build_runtime(config)
+        runtime = build_runtime(config, sandbox)
     except TokenizerLoadError as e:
         log.error("%s", e)
+        if sandbox is not None:
+            sandbox.close()
         return 2
     try:
         # Not ready before a compile worker is: a replica must be able to compile what it is sent.
