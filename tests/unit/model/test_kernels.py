@@ -596,6 +596,7 @@ def test_every_kernel_set_the_cpu_runs_builds_and_computes_right(
     assert done.returncode == 0 and done.stdout.strip() == "checked", done.stderr[-3000:]
 
 
+@pytest.mark.slow  # ~20 s: the host's own set runs these tests in the default run
 @pytest.mark.skipif(kernels.compiler() is None, reason="no C++ compiler")
 @OTHER_SETS
 def test_every_kernel_set_the_cpu_runs_serves_fp32_models(kernel_set: kernels.KernelSet) -> None:

@@ -141,6 +141,7 @@ def test_fp32_int4a8_layers_take_the_avx2_8_bit_activation_kernel() -> None:
         ServingLinear(w.double(), None, quantize="int4a8")
 
 
+@pytest.mark.slow  # the fallback where the worker's kernels cannot build; a compile of its own
 def test_aten_int4_runs_in_a_compiled_graph_of_many_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the worker's kernel, int4 layers run aten's op, behind a custom op: inductor's own
     lowering of it inside the per-layer compile region hands the group size over as a tensor,
