@@ -286,33 +286,41 @@ def fits(out_features: int, in_features: int) -> bool:
     return out_features % BLOCK == 0 and in_features % GROUP == 0
 
 
+def _exact_params(*params: Tensor) -> Tensor:
+    """`params` stacked [len, ...] as fp16 where every value is one exactly (a GGUF checkpoint's
+    are: it stores them so), else as fp32: the bf16 kernels read either, and at one row, where
+    the weights stream from memory, fp16 parameters are a sixth less to read (Q4_1)."""
+    stacked = torch.stack([p.float() for p in params])
+    half = stacked.half()
+    return half if torch.equal(half.float(), stacked) else stacked
+
+
 def pack_int4(q: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Tensor]:
     """A Q4_1 weight (q uint8 [N, K] in 0..15; scale, low [N, K/32]; w = scale * q + low) in the
-    kernel's layout (`matmul_bf16.cpp`): packed nibbles [N/16, K/32, 8, 32] and fp32 scales and
-    zeros [N/16, K/32, 2, 16] for w = scale * (q - 8) + zero."""
+    kernel's layout (`matmul_bf16.cpp`): packed nibbles [N/16, K/32, 8, 32] and the scales and
+    minimums [N/16, K/32, 2, 16], fp16 where exact (`_exact_params`), else fp32."""
     n, k = q.shape
     if not fits(n, k):
         raise ValueError(f"a [{n}, {k}] weight does not fit blocks of {BLOCK} x {GROUP}")
     # [block, channel, group, chunk, nibble half, input] -> [block, group, chunk, half, ch, input]
     chunks = q.reshape(n // BLOCK, BLOCK, k // GROUP, GROUP // 4, 2, 2).permute(0, 2, 3, 4, 1, 5)
     packed = (chunks[:, :, :, 0] | (chunks[:, :, :, 1] << 4)).reshape(n // BLOCK, k // GROUP, 8, 32)
-    zero = low.float() + 8 * scale.float()
-    per_group = torch.stack([scale.float(), zero])  # [2, N, K/32]
-    scale_zero = per_group.reshape(2, n // BLOCK, BLOCK, k // GROUP).permute(1, 3, 0, 2)
-    return packed.contiguous(), scale_zero.contiguous()
+    per_group = _exact_params(scale, low)  # [2, N, K/32]
+    scale_low = per_group.reshape(2, n // BLOCK, BLOCK, k // GROUP).permute(1, 3, 0, 2)
+    return packed.contiguous(), scale_low.contiguous()
 
 
 def pack_int8(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     """A Q8_0 weight (q int8 [N, K]; scale [N, K/32]; w = scale * q) in `matmul_bf16.cpp`'s
-    layout: int8 [N/16, K/32, 16, 32] (chunk j: 16 channels x inputs 2j, 2j + 1) and fp32 scales
-    [N/16, K/32, 16]."""
+    layout: int8 [N/16, K/32, 16, 32] (chunk j: 16 channels x inputs 2j, 2j + 1) and scales
+    [N/16, K/32, 16], fp16 where exact (`_exact_params`), else fp32."""
     n, k = q.shape
     if not fits(n, k):
         raise ValueError(f"a [{n}, {k}] weight does not fit blocks of {BLOCK} x {GROUP}")
     # [block, channel, group, chunk, input] -> [block, group, chunk, channel, input]
     chunks = q.reshape(n // BLOCK, BLOCK, k // GROUP, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
     packed = chunks.reshape(n // BLOCK, k // GROUP, GROUP // 2, 2 * BLOCK)
-    scales = scale.float().reshape(n // BLOCK, BLOCK, k // GROUP).permute(0, 2, 1)
+    scales = _exact_params(scale)[0].reshape(n // BLOCK, BLOCK, k // GROUP).permute(0, 2, 1)
     return packed.contiguous(), scales.contiguous()
 
 
@@ -359,15 +367,15 @@ def pack_int4_q8_f32(q: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Ten
     return packed.contiguous(), scale_zero.contiguous()
 
 
-def int4_matmul(x: Tensor, packed: Tensor, scale_zero: Tensor) -> Tensor:
+def int4_matmul(x: Tensor, packed: Tensor, scale_low: Tensor) -> Tensor:
     """`x @ W^T` for bf16 x [rows, K] and a `pack_int4` weight; bf16 [rows, N]."""
-    return torch.ops.maskwire_kernels.int4_matmul(x, packed, scale_zero)
+    return torch.ops.maskwire_kernels.int4_matmul(x, packed, scale_low)
 
 
-def int4_matmul_q8(x: Tensor, packed: Tensor, scale_zero: Tensor) -> Tensor:
+def int4_matmul_q8(x: Tensor, packed: Tensor, scale_low: Tensor) -> Tensor:
     """`int4_matmul`'s weights times 8-bit activations (each row's inputs quantized per group of
     32, llama.cpp's Q8): bf16 [rows, K] -> bf16 [rows, N]."""
-    return torch.ops.maskwire_kernels.int4_matmul_q8(x, packed, scale_zero)
+    return torch.ops.maskwire_kernels.int4_matmul_q8(x, packed, scale_low)
 
 
 def int8_matmul(x: Tensor, packed: Tensor, scale: Tensor) -> Tensor:

@@ -17,18 +17,22 @@
 // channels and each group of 32 inputs, 8 chunks of 32 bytes. Byte i of chunk j holds weight
 // (channel i / 2, input 4j + i % 2) in its low nibble and (channel i / 2, input 4j + 2 + i % 2) in
 // its high nibble: zero-extended to 16-bit lanes, each nibble half is one `vdpbf16ps` operand
-// (16 channels x 2 inputs). Then per block and group: 16 scales and 16 zeros (fp32).
+// (16 channels x 2 inputs). Then per block and group: 16 scales and 16 minimums, fp16 where the
+// checkpoint's are (GGUF stores them so) and fp32 otherwise; the kernel forms each zero as
+// low + 8 * scale in fp32 (one rounding, as the packing did before). At one row the weights stream
+// from memory, and fp16 parameters are 5 bits per weight instead of 6.
 //
 // Q8_0 (`int8_matmul`, the embedded model's tied LM head as its GGUF stores it): w = scale * q,
 // q in -128..127, widened through fp32 to bf16 (exact: 8 significant bits). Per group of 32
 // inputs: y += scale * sum(q x). Weight layout (`neuron_worker.kernels.pack_int8`): for each
 // block of 16 output channels and each group of 32 inputs, 16 chunks of 32 bytes; byte i of
 // chunk j holds weight (channel i / 2, input 2j + i % 2): one `vdpbf16ps` operand. Then per block
-// and group 16 scales (fp32).
+// and group 16 scales (fp16 where exact, else fp32).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -50,9 +54,20 @@ inline __m512bh input_pair(const uint16_t* x, int64_t k, int m, int64_t at) {
   return (__m512bh)_mm512_set1_epi32(pair);
 }
 
+// 16 per-channel parameters as fp32: stored fp32, or fp16 (exact).
+inline __m512 load_params(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_params(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Q4_1's zeros, w = scale * (q - 8) + zero: low + 8 * scale, exact but for one rounding.
+inline __m512 zero_of(__m512 scale, __m512 low) {
+  return _mm512_fmadd_ps(_mm512_set1_ps(8.0f), scale, low);
+}
+
 struct Q4_1 {
   static constexpr int64_t kChunks = kGroup / 4;  // 32 bytes each
-  static constexpr int64_t kParams = 2;           // scale, zero
+  static constexpr int64_t kParams = 2;           // scale, low
   static constexpr const char* kLayout = "uint8 [N/16, K/32, 8, 32]";
   static constexpr at::ScalarType kType = at::kByte;
 
@@ -123,9 +138,9 @@ struct Q8_0 {
 // for Q4_1's zeros). A group's sum is two chains per row, added at the group's end: one chain of
 // 16 dependent `vdpbf16ps` would leave a single row waiting on their latency. The same order for
 // every M, so a row's result does not depend on how many rows share the pass.
-template <class F, int M>
+template <class F, int M, class P>
 void blocks_for_rows(const uint16_t* x, const float* xsum, int64_t k, const uint8_t* w,
-                     const float* params, int64_t nb_begin, int64_t nb_end, uint16_t* out,
+                     const P* params, int64_t nb_begin, int64_t nb_end, uint16_t* out,
                      int64_t n) {
   const int64_t groups = k / kGroup;
   const F format;  // its constants (Q4_1's nibble table), built once per task
@@ -137,13 +152,14 @@ void blocks_for_rows(const uint16_t* x, const float* xsum, int64_t k, const uint
       for (int m = 0; m < M; ++m) a[m] = b[m] = _mm512_setzero_ps();
       format.template group_dots<M>(w + (nb * groups + g) * F::kChunks * 32, x, k, g * kGroup, a,
                                     b);
-      const float* p = params + (nb * groups + g) * F::kParams * kBlock;
-      const __m512 scale = _mm512_loadu_ps(p);
+      const P* p = params + (nb * groups + g) * F::kParams * kBlock;
+      const __m512 scale = load_params(p);
+      __m512 zero = scale;
+      if constexpr (F::kParams == 2) zero = zero_of(scale, load_params(p + kBlock));
       for (int m = 0; m < M; ++m) {
         acc[m] = _mm512_fmadd_ps(_mm512_add_ps(a[m], b[m]), scale, acc[m]);
         if constexpr (F::kParams == 2)
-          acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g]),
-                                   _mm512_loadu_ps(p + kBlock), acc[m]);
+          acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g]), zero, acc[m]);
       }
     }
     for (int m = 0; m < M; ++m)
@@ -166,8 +182,8 @@ std::vector<float> group_sums(const uint16_t* x, int64_t count) {
   return sums;
 }
 
-// x: bf16 [rows, K]; w: F::kLayout; params: fp32 [N/16, K/32, P, 16] (Q4_1: scales, zeros),
-// or [N/16, K/32, 16] (Q8_0: scales).
+// x: bf16 [rows, K]; w: F::kLayout; params: fp16 or fp32 [N/16, K/32, 2, 16] (Q4_1: scales,
+// minimums), or [N/16, K/32, 16] (Q8_0: scales).
 // The inputs' checks, shared by every matmul of a weight format F.
 template <class F>
 void check_inputs(const at::Tensor& x, const at::Tensor& w, const at::Tensor& params) {
@@ -178,11 +194,20 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const at::Tensor& pa
   const auto want = F::kParams == 2
                         ? std::vector<int64_t>{w.size(0), w.size(1), 2, kBlock}
                         : std::vector<int64_t>{w.size(0), w.size(1), kBlock};
-  TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous() &&
-                  params.sizes() == at::IntArrayRef(want),
-              "scales: contiguous fp32 ", at::IntArrayRef(want));
+  TORCH_CHECK((params.scalar_type() == at::kFloat || params.scalar_type() == at::kHalf) &&
+                  params.is_contiguous() && params.sizes() == at::IntArrayRef(want),
+              "scales: contiguous fp16 or fp32 ", at::IntArrayRef(want));
   TORCH_CHECK(w.size(1) * kGroup == x.size(1), "x has ", x.size(1), " inputs, the weight ",
               w.size(1) * kGroup);
+}
+
+// `call(params pointer)` with the parameters' element type (fp16 or fp32).
+template <class Call>
+void with_params(const at::Tensor& params, Call&& call) {
+  if (params.scalar_type() == at::kHalf)
+    call(params.const_data_ptr<c10::Half>());
+  else
+    call(params.const_data_ptr<float>());
 }
 
 template <class F>
@@ -196,15 +221,16 @@ at::Tensor matmul_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   // Q4_1's zeros: sum_i w_i x_i = scale * sum (q - 8) x + zero * sum x.
   const std::vector<float> xsum = group_sums(xp, F::kParams == 2 ? rows * groups : 0);
   const auto* wp = static_cast<const uint8_t*>(w.const_data_ptr());
-  const auto* pp = params.const_data_ptr<float>();
   auto* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<c10::BFloat16>());
-  // Grain 4 blocks (64 channels): even the smallest projection runs on every thread.
-  const int64_t block_bytes = groups * (F::kChunks * 32 + F::kParams * kBlock * 4);
-  maskwire::over_rows_and_blocks(rows, blocks, block_bytes, 4, [&](auto m, int64_t row, int64_t b0,
-                                                                   int64_t b1) {
-    const float* row_sums = xsum.empty() ? nullptr : xsum.data() + row * groups;
-    blocks_for_rows<F, decltype(m)::value>(xp + row * k, row_sums, k, wp, pp, b0, b1, op + row * n,
-                                           n);
+  with_params(params, [&](const auto* pp) {
+    // Grain 4 blocks (64 channels): even the smallest projection runs on every thread.
+    const int64_t block_bytes = groups * (F::kChunks * 32 + F::kParams * kBlock * sizeof(*pp));
+    maskwire::over_rows_and_blocks(rows, blocks, block_bytes, 4, [&](auto m, int64_t row,
+                                                                     int64_t b0, int64_t b1) {
+      const float* row_sums = xsum.empty() ? nullptr : xsum.data() + row * groups;
+      blocks_for_rows<F, decltype(m)::value>(xp + row * k, row_sums, k, wp, pp, b0, b1,
+                                             op + row * n, n);
+    });
   });
   return out;
 }
@@ -252,9 +278,9 @@ RowsQ8 quantize_rows(const uint16_t* x, int64_t rows, int64_t k) {
 
 // Output channel blocks [nb_begin, nb_end) for M rows (`RowsQ8` from the pass's first row). Two int32 chains per row (even and odd chunks), added at the group's end: exact, so
 // a row's result does not depend on how many rows share the pass.
-template <int M>
+template <int M, class P>
 void blocks_q8_for_rows(const int8_t* xq, const float* sx, const float* xsum, const int32_t* qsum,
-                        int64_t k, const uint8_t* w, const float* params, int64_t nb_begin, int64_t nb_end,
+                        int64_t k, const uint8_t* w, const P* params, int64_t nb_begin, int64_t nb_end,
                         uint16_t* out, int64_t n) {
   const int64_t groups = k / kGroup;
   const __m512i low4 = _mm512_set1_epi16(0x000f);
@@ -284,9 +310,9 @@ void blocks_q8_for_rows(const int8_t* xq, const float* sx, const float* xsum, co
           b[m] = _mm512_dpbusd_epi32(b[m], odd, _mm512_set1_epi32(x1));
         }
       }
-      const float* p = params + (nb * groups + g) * 2 * kBlock;
-      const __m512 scale = _mm512_loadu_ps(p);
-      const __m512 zero = _mm512_loadu_ps(p + kBlock);
+      const P* p = params + (nb * groups + g) * 2 * kBlock;
+      const __m512 scale = load_params(p);
+      const __m512 zero = zero_of(scale, load_params(p + kBlock));
       for (int m = 0; m < M; ++m) {
         // sum((q - 8) a), exact
         const __m512i centred = _mm512_sub_epi32(_mm512_add_epi32(a[m], b[m]),
@@ -303,8 +329,8 @@ void blocks_q8_for_rows(const int8_t* xq, const float* sx, const float* xsum, co
   }
 }
 
-at::Tensor int4_matmul_q8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zero) {
-  check_inputs<Q4_1>(x, w, scale_zero);
+at::Tensor int4_matmul_q8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_low) {
+  check_inputs<Q4_1>(x, w, scale_low);
   const int64_t rows = x.size(0), k = x.size(1), blocks = w.size(0), groups = w.size(1);
   const int64_t n = blocks * kBlock;
   const at::Tensor xc = x.contiguous();
@@ -312,21 +338,22 @@ at::Tensor int4_matmul_q8(const at::Tensor& x, const at::Tensor& w, const at::Te
   const RowsQ8 xq =
       quantize_rows(reinterpret_cast<const uint16_t*>(xc.const_data_ptr<c10::BFloat16>()), rows, k);
   const auto* wp = static_cast<const uint8_t*>(w.const_data_ptr());
-  const auto* pp = scale_zero.const_data_ptr<float>();
   auto* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<c10::BFloat16>());
-  const int64_t block_bytes = groups * (Q4_1::kChunks * 32 + 2 * kBlock * 4);
-  maskwire::over_rows_and_blocks(rows, blocks, block_bytes, 4, [&](auto m, int64_t row, int64_t b0,
-                                                                   int64_t b1) {
-    blocks_q8_for_rows<decltype(m)::value>(xq.q.data() + row * k, xq.scale.data() + row * groups,
-                                           xq.sum.data() + row * groups,
-                                           xq.qsum.data() + row * groups, k, wp, pp, b0, b1,
-                                           op + row * n, n);
+  with_params(scale_low, [&](const auto* pp) {
+    const int64_t block_bytes = groups * (Q4_1::kChunks * 32 + 2 * kBlock * sizeof(*pp));
+    maskwire::over_rows_and_blocks(rows, blocks, block_bytes, 4, [&](auto m, int64_t row,
+                                                                     int64_t b0, int64_t b1) {
+      blocks_q8_for_rows<decltype(m)::value>(xq.q.data() + row * k, xq.scale.data() + row * groups,
+                                             xq.sum.data() + row * groups,
+                                             xq.qsum.data() + row * groups, k, wp, pp, b0, b1,
+                                             op + row * n, n);
+    });
   });
   return out;
 }
 
-at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_zero) {
-  return matmul_bf16<Q4_1>(x, w, scale_zero);
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_low) {
+  return matmul_bf16<Q4_1>(x, w, scale_low);
 }
 
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
@@ -336,9 +363,9 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 }  // namespace
 
 TORCH_LIBRARY(maskwire_kernels, m) {
-  m.def("int4_matmul(Tensor x, Tensor w, Tensor scale_zero) -> Tensor");
+  m.def("int4_matmul(Tensor x, Tensor w, Tensor scale_low) -> Tensor");
   m.def("int8_matmul(Tensor x, Tensor w, Tensor scale) -> Tensor");
-  m.def("int4_matmul_q8(Tensor x, Tensor w, Tensor scale_zero) -> Tensor");
+  m.def("int4_matmul_q8(Tensor x, Tensor w, Tensor scale_low) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(maskwire_kernels, CPU, m) {

@@ -115,6 +115,29 @@ def test_the_kernel_multiplies_bf16_activations_by_q8_0_weights(rows: int, n: in
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+def test_fp16_parameters_give_the_bits_of_the_same_values_in_fp32(rows: int) -> None:
+    """Scales and minimums that fp16 holds exactly (a GGUF checkpoint's) are packed as fp16,
+    which the bf16 kernels widen exactly: the outputs of the same values as fp32, bit for bit.
+    Values fp16 cannot hold stay fp32."""
+    g = torch.Generator().manual_seed(rows)
+    w4 = weight(960, 576, seed=rows)
+    scale, low = w4.scale.half().float(), w4.low.half().float()
+    w8 = Int8Weight.from_float(torch.randn(96, 576, generator=g))
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    cases = [
+        (kernels.int4_matmul, kernels.pack_int4(w4.q, scale, low)),
+        (kernels.int4_matmul_q8, kernels.pack_int4(w4.q, scale, low)),
+        (kernels.int8_matmul, kernels.pack_int8(w8.q, w8.scale.half().float())),
+    ]
+    for matmul, (packed, params) in cases:
+        assert params.dtype == torch.float16
+        assert torch.equal(matmul(x, packed, params), matmul(x, packed, params.float()))
+    assert kernels.pack_int4(w4.q, w4.scale, w4.low)[1].dtype == torch.float32
+    assert kernels.pack_int8(w8.q, w8.scale)[1].dtype == torch.float32
+
+
+@needs_kernel
 def test_the_bf16_q8_0_kernel_refuses_mismatched_inputs() -> None:
     w = Int8Weight.from_float(torch.randn(32, 64))
     packed = kernels.pack_int8(w.q, w.scale)
@@ -128,7 +151,7 @@ def test_the_bf16_q8_0_kernel_refuses_mismatched_inputs() -> None:
             torch.zeros(2, 64, dtype=torch.bfloat16), *kernels.pack_int4(*_q4(32, 64))
         )
     # the error names the shape the weight needs
-    with pytest.raises(RuntimeError, match=r"scales: contiguous fp32 \[2, 2, 16\]"):
+    with pytest.raises(RuntimeError, match=r"scales: contiguous fp16 or fp32 \[2, 2, 16\]"):
         kernels.int8_matmul(torch.zeros(2, 64, dtype=torch.bfloat16), packed[0], packed[1][:, :1])
     with pytest.raises(ValueError, match="does not fit blocks of 16 x 32"):
         kernels.pack_int8(w.q[:24], w.scale[:24])

@@ -1,0 +1,129 @@
+"""The bf16 kernels' quant parameters as fp16 (as packed from a GGUF checkpoint) against the same
+values as fp32, in the fused decode pass of the embedded SmolLM2-135M.
+
+Two copies of the model as the worker serves it on an AVX512-BF16 host (Q4_1 layers, Q8_0 head,
+the fused decode step); in one the packed scales and minimums are widened to fp32. The same
+passes (rows 1, 2, 4 and 8 at one context) alternate between them, in turns that swap which goes
+first; each figure is the median of `--repeats` timings of `--calls` passes, each ratio the median
+of the per-repeat ratios. The logits must be equal bit for bit.
+
+Writes bench/results/kernel_params.json and .png. Usage: python bench/kernel_params.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.decode_step import MAX_ROWS, MAX_SEQ, decode_pass, timed  # noqa: E402
+from bench.forward import cpu_info  # noqa: E402
+from neuron_worker import kernels  # noqa: E402
+from neuron_worker.backends import create_backend  # noqa: E402
+from neuron_worker.graphs import ForwardRunner  # noqa: E402
+from neuron_worker.model import load_model  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+VARIANTS = ("fp16", "fp32")
+
+
+def runner(params: str) -> ForwardRunner:
+    model = load_model("default", dtype=torch.bfloat16, serving=True, quantize="int4").eval()
+    for module in model.modules():
+        scales = getattr(module, "q_scales", None)
+        if params == "fp32" and scales is not None and scales.dtype == torch.float16:
+            module.q_scales = scales.float()
+    model.setup_caches(MAX_ROWS + 1, MAX_SEQ)
+    backend = create_backend("cpu", compile=True)
+    return ForwardRunner(
+        model, backend, max_rows=MAX_ROWS, max_seq=MAX_SEQ, pad_slot=MAX_ROWS, fused_decode=True
+    )
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = results["cases"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.4
+    for i, name in enumerate(VARIANTS):
+        xs = [x + (i - 0.5) * width for x in range(len(cases))]
+        bars = ax.bar(xs, [c["ms"][name] for c in cases], width, label=f"{name} parameters")
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    labels = [f"{c['rows']} row(s)\n{c['speedup']:.3f}x" for c in cases]
+    ax.set_xticks(range(len(cases)), labels, fontsize=8)
+    ax.set_ylabel("ms per fused decode pass (median)")
+    load = results["load_average"]
+    ax.set_title(
+        f"SmolLM2 bf16 decode pass, fp16 against fp32 quant parameters, {results['cpu']['model']}, "
+        f"load {load['before']:.1f} -> {load['after']:.1f}",
+        fontsize=8,
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--context", type=int, default=100, help="each row's position")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=100, help="passes per timing")
+    parser.add_argument("--out", type=Path, default=RESULTS / "kernel_params.json")
+    args = parser.parse_args()
+    if not kernels.bf16_available():
+        raise SystemExit("no AVX512-BF16 kernels on this CPU")
+    results: dict[str, Any] = {
+        "cpu": cpu_info(),
+        "torch": torch.__version__,
+        "context": args.context,
+        "load_average": {"before": os.getloadavg()[0]},
+        "cases": [],
+    }
+    runners = {name: runner(name) for name in VARIANTS}
+    with torch.inference_mode():
+        for rows in (1, 2, 4, 8):
+            p = decode_pass(rows, args.context)
+            out = {name: r.run(p)[:rows].clone() for name, r in runners.items()}
+            if not torch.equal(out["fp16"], out["fp32"]):
+                raise SystemExit(f"{rows} rows: the logits differ")
+            samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
+            for repeat in range(args.repeats):
+                for name in VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]:
+                    samples[name].append(timed(runners[name], p, args.calls) * 1e3)
+            ratios = [b / a for a, b in zip(samples["fp16"], samples["fp32"], strict=True)]
+            case = {
+                "rows": rows,
+                "ms": {name: statistics.median(s) for name, s in samples.items()},
+                "samples_ms": samples,
+                "speedup": statistics.median(ratios),
+                "logits_equal": True,
+            }
+            results["cases"].append(case)
+            print(
+                f"rows {rows}: fp32 {case['ms']['fp32']:.2f} ms, fp16 {case['ms']['fp16']:.2f} ms"
+                f" ({case['speedup']:.3f}x, per repeat {min(ratios):.2f}-{max(ratios):.2f})",
+                flush=True,
+            )
+    results["load_average"]["after"] = os.getloadavg()[0]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
