@@ -55,17 +55,28 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         with self.lock:
             self.requests.append(request)
         reply = self.reply(request)
+        ended = threading.Event()  # the reply went out whole (or as the scripted error)
+
+        def on_termination() -> None:
+            # A call that ends before its reply did was cancelled, whether the server noticed
+            # between two messages (the generator is then never resumed) or during a delay.
+            if not ended.is_set():
+                with self.lock:
+                    self.cancelled.append(request.request_id)
+
+        context.add_callback(on_termination)
         if reply.error is not None:
+            ended.set()
             context.abort_with_status(rpc_status.to_status(reply.error.to_status()))
         n = max(1, request.n)
         for i, text in enumerate(reply.chunks):
             if reply.delay_s:
                 time.sleep(reply.delay_s)
             if not context.is_active():
-                self.cancelled.append(request.request_id)
                 return
             for index in range(n):  # n > 1: the choices' messages interleave, same text
                 yield self._message(request, reply, i, text, index)
+        ended.set()
 
     def _message(
         self, request: worker_pb2.GenerateRequest, reply: Reply, i: int, text: str, index: int
