@@ -66,7 +66,9 @@ def timed(runner: ForwardRunner, p: Pass, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
+def plot(results: dict[str, Any], path: Path, variants: tuple[str, str], title: str) -> None:
+    """Bars of each case's median ms per pass for the two `variants`, labelled with the case's
+    `speedup`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,7 +77,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     cases = results["cases"]
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.4
-    for i, name in enumerate(("graph", "fused")):
+    for i, name in enumerate(variants):
         xs = [x + (i - 0.5) * width for x in range(len(cases))]
         bars = ax.bar(xs, [c["ms"][name] for c in cases], width, label=name)
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
@@ -84,15 +86,22 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("ms per decode pass (median)")
     load = results["load_average"]
     ax.set_title(
-        f"SmolLM2 {results['dtype']} decode pass at context {results['context']}, "
-        f"{results['cpu']['model']}, "
-        f"{results['cpu']['torch_threads']} threads, load {load['before']:.1f} -> "
-        f"{load['after']:.1f}",
+        f"{title}, {results['cpu']['model']}, {results['cpu']['torch_threads']} threads, "
+        f"load {load['before']:.1f} -> {load['after']:.1f}",
         fontsize=8,
     )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def save(results: dict[str, Any], path: Path, variants: tuple[str, str], title: str) -> None:
+    """Write `results` (with the load average now) to `path` and its plot beside it."""
+    results["load_average"]["after"] = os.getloadavg()[0]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, path.with_suffix(".png"), variants, title)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
 def main() -> int:
@@ -158,11 +167,8 @@ def main() -> int:
                 f" logits max diff {diff:.2f}",
                 flush=True,
             )
-    results["load_average"]["after"] = os.getloadavg()[0]
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, out_path.with_suffix(".png"))
-    print(f"wrote {out_path} and {out_path.with_suffix('.png')}")
+    title = f"SmolLM2 {args.dtype} decode pass at context {args.context}"
+    save(results, out_path, ("graph", "fused"), title)
     return 0
 
 

@@ -13,7 +13,6 @@ Writes bench/results/kernel_params.json and .png. Usage: python bench/kernel_par
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.decode_step import MAX_ROWS, MAX_SEQ, decode_pass, timed  # noqa: E402
+from bench.decode_step import MAX_ROWS, MAX_SEQ, decode_pass, save, timed  # noqa: E402
 from bench.forward import cpu_info  # noqa: E402
 from neuron_worker import kernels  # noqa: E402
 from neuron_worker.backends import create_backend  # noqa: E402
@@ -47,33 +46,6 @@ def runner(params: str) -> ForwardRunner:
     return ForwardRunner(
         model, backend, max_rows=MAX_ROWS, max_seq=MAX_SEQ, pad_slot=MAX_ROWS, fused_decode=True
     )
-
-
-def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cases = results["cases"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.4
-    for i, name in enumerate(VARIANTS):
-        xs = [x + (i - 0.5) * width for x in range(len(cases))]
-        bars = ax.bar(xs, [c["ms"][name] for c in cases], width, label=f"{name} parameters")
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
-    labels = [f"{c['rows']} row(s)\n{c['speedup']:.3f}x" for c in cases]
-    ax.set_xticks(range(len(cases)), labels, fontsize=8)
-    ax.set_ylabel("ms per fused decode pass (median)")
-    load = results["load_average"]
-    ax.set_title(
-        f"SmolLM2 bf16 decode pass, fp16 against fp32 quant parameters, {results['cpu']['model']}, "
-        f"load {load['before']:.1f} -> {load['after']:.1f}",
-        fontsize=8,
-    )
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def main() -> int:
@@ -117,11 +89,8 @@ def main() -> int:
                 f" ({case['speedup']:.3f}x, per repeat {min(ratios):.2f}-{max(ratios):.2f})",
                 flush=True,
             )
-    results["load_average"]["after"] = os.getloadavg()[0]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    title = f"SmolLM2 bf16 decode pass, fp16 against fp32 quant parameters, context {args.context}"
+    save(results, args.out, VARIANTS, title)
     return 0
 
 
