@@ -27,10 +27,10 @@ log = logging.getLogger("grammar_service")
 SERVICE_NAME = grammar_pb2.DESCRIPTOR.services_by_name["GrammarService"].full_name
 
 
-def start_sandbox(config: ServiceConfig) -> Sandbox | None:
-    """The compile sandbox, its children already starting: each loads the tokenizers (about a
-    second) on another core while this process loads its own (`build_runtime`)."""
-    faults = testing_faults(config.process.testing_faults)
+def start_sandbox(config: ServiceConfig, faults: str) -> Sandbox | None:
+    """The compile sandbox (`faults`: the armed test-only fault specs its children get), its
+    children already starting: each loads the tokenizers (about a second) on another core while
+    this process loads its own (`build_runtime`)."""
     if config.sandbox is None:
         return None
     sandbox = Sandbox(
@@ -93,7 +93,7 @@ def testing_faults(armed: bool) -> str:
 
 async def main(config: ServiceConfig) -> int:
     use_large_thread_stacks(config.process.thread_stack_mb)
-    sandbox = start_sandbox(config)
+    sandbox = start_sandbox(config, testing_faults(config.process.testing_faults))
     try:
         runtime = build_runtime(config, sandbox)
     except TokenizerLoadError as e:

@@ -19,8 +19,8 @@
 // its high nibble: zero-extended to 16-bit lanes, each nibble half is one `vdpbf16ps` operand
 // (16 channels x 2 inputs). Then per block and group: 16 scales and 16 minimums, fp16 where the
 // checkpoint's are (GGUF stores them so) and fp32 otherwise; the kernel forms each zero as
-// low + 8 * scale in fp32 (one rounding, as the packing did before). At one row the weights stream
-// from memory, and fp16 parameters are 5 bits per weight instead of 6.
+// low + 8 * scale in fp32 (exact but for one rounding). At one row the weights stream from
+// memory, and fp16 parameters are 5 bits per weight instead of 6.
 //
 // Q8_0 (`int8_matmul`, the embedded model's tied LM head as its GGUF stores it): w = scale * q,
 // q in -128..127, widened through fp32 to bf16 (exact: 8 significant bits). Per group of 32
