@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,52 @@ def timed(runner: ForwardRunner, p: Pass, calls: int) -> float:
     for _ in range(calls):
         runner.run(p)
     return (time.perf_counter() - start) / calls
+
+
+def compare(
+    variants: dict[str, tuple[ForwardRunner, Callable[[], object]]],
+    *,
+    context: int,
+    repeats: int,
+    calls: int,
+    rows: tuple[int, ...] = (1, 2, 4, 8),
+) -> list[dict[str, Any]]:
+    """Two variants of the same passes, each a runner and what to call before its turn (a
+    kernel setting): per row count, their logits must be equal bit for bit, then `repeats`
+    turns that swap which goes first, `calls` passes each. A case holds each variant's median
+    ms, its samples, and the second variant's time over the first's (median of the per-repeat
+    ratios) as `speedup` of the first."""
+    first, second = variants
+    cases = []
+    for n in rows:
+        p = decode_pass(n, context)
+        out = {}
+        for name, (runner, setup) in variants.items():
+            setup()
+            out[name] = runner.run(p)[:n].clone()
+        if not torch.equal(out[first], out[second]):
+            raise SystemExit(f"{n} rows: the logits differ")
+        samples: dict[str, list[float]] = {name: [] for name in variants}
+        for repeat in range(repeats):
+            for name in (first, second) if repeat % 2 == 0 else (second, first):
+                runner, setup = variants[name]
+                setup()
+                samples[name].append(timed(runner, p, calls) * 1e3)
+        ratios = [b / a for a, b in zip(samples[first], samples[second], strict=True)]
+        case = {
+            "rows": n,
+            "ms": {name: statistics.median(s) for name, s in samples.items()},
+            "samples_ms": samples,
+            "speedup": statistics.median(ratios),
+            "logits_equal": True,
+        }
+        cases.append(case)
+        print(
+            f"rows {n}: {second} {case['ms'][second]:.2f} ms, {first} {case['ms'][first]:.2f} ms"
+            f" ({case['speedup']:.3f}x, per repeat {min(ratios):.2f}-{max(ratios):.2f})",
+            flush=True,
+        )
+    return cases
 
 
 def plot(results: dict[str, Any], path: Path, variants: tuple[str, str], title: str) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.decode_step import MAX_ROWS, MAX_SEQ, decode_pass, save, timed  # noqa: E402
+from bench.decode_step import MAX_ROWS, MAX_SEQ, compare, save  # noqa: E402
 from bench.forward import cpu_info  # noqa: E402
 from neuron_worker import kernels  # noqa: E402
 from neuron_worker.backends import create_backend  # noqa: E402
@@ -64,31 +63,13 @@ def main() -> int:
         "load_average": {"before": os.getloadavg()[0]},
         "cases": [],
     }
-    runners = {name: runner(name) for name in VARIANTS}
     with torch.inference_mode():
-        for rows in (1, 2, 4, 8):
-            p = decode_pass(rows, args.context)
-            out = {name: r.run(p)[:rows].clone() for name, r in runners.items()}
-            if not torch.equal(out["fp16"], out["fp32"]):
-                raise SystemExit(f"{rows} rows: the logits differ")
-            samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
-            for repeat in range(args.repeats):
-                for name in VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]:
-                    samples[name].append(timed(runners[name], p, args.calls) * 1e3)
-            ratios = [b / a for a, b in zip(samples["fp16"], samples["fp32"], strict=True)]
-            case = {
-                "rows": rows,
-                "ms": {name: statistics.median(s) for name, s in samples.items()},
-                "samples_ms": samples,
-                "speedup": statistics.median(ratios),
-                "logits_equal": True,
-            }
-            results["cases"].append(case)
-            print(
-                f"rows {rows}: fp32 {case['ms']['fp32']:.2f} ms, fp16 {case['ms']['fp16']:.2f} ms"
-                f" ({case['speedup']:.3f}x, per repeat {min(ratios):.2f}-{max(ratios):.2f})",
-                flush=True,
-            )
+        results["cases"] = compare(
+            {name: (runner(name), lambda: None) for name in VARIANTS},
+            context=args.context,
+            repeats=args.repeats,
+            calls=args.calls,
+        )
     title = f"SmolLM2 bf16 decode pass, fp16 against fp32 quant parameters, context {args.context}"
     save(results, args.out, VARIANTS, title)
     return 0

@@ -372,6 +372,13 @@ def int4_matmul(x: Tensor, packed: Tensor, scale_low: Tensor) -> Tensor:
     return torch.ops.maskwire_kernels.int4_matmul(x, packed, scale_low)
 
 
+def set_weight_prefetch(groups: int) -> int:
+    """How many groups of 32 inputs ahead the bf16 matmuls (`int4_matmul`, `int8_matmul`)
+    prefetch their weights (0: none; the default 8); returns the distance before. A negative
+    `groups` only reads it. The results are the same at any distance."""
+    return int(torch.ops.maskwire_kernels.set_weight_prefetch(groups))
+
+
 def int4_matmul_q8(x: Tensor, packed: Tensor, scale_low: Tensor) -> Tensor:
     """`int4_matmul`'s weights times 8-bit activations (each row's inputs quantized per group of
     32, llama.cpp's Q8): bf16 [rows, K] -> bf16 [rows, N]."""

@@ -36,6 +36,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -134,6 +135,13 @@ struct Q8_0 {
   }
 };
 
+// Each group first prefetches the weights and parameters of the group `weight_prefetch` groups
+// ahead in the task's range (2 KB of Q4_1, 4 KB of Q8_0 at the default 8): with the hardware
+// prefetcher alone the one-row pass read its 85 MB in ~3.6 ms on the AVX512-BF16 host, where a
+// plain two-thread read of as many bytes takes 2.4-3.2 ms; 1.02-1.10x by row count
+// (`bench/weight_prefetch.py`).
+std::atomic<int64_t> weight_prefetch{8};
+
 // Output channel blocks [nb_begin, nb_end) for M rows of x (bf16 [M, k]; xsum: its group sums,
 // for Q4_1's zeros). A group's sum is two chains per row, added at the group's end: one chain of
 // 16 dependent `vdpbf16ps` would leave a single row waiting on their latency. The same order for
@@ -144,10 +152,19 @@ void blocks_for_rows(const uint16_t* x, const float* xsum, int64_t k, const uint
                      int64_t n) {
   const int64_t groups = k / kGroup;
   const F format;  // its constants (Q4_1's nibble table), built once per task
+  const int64_t ahead = weight_prefetch.load(std::memory_order_relaxed);
+  const int64_t w_group = F::kChunks * 32, p_group = F::kParams * kBlock;
+  const int64_t task_end = nb_end * groups;
   for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
+      const int64_t next = nb * groups + g + ahead;
+      if (ahead > 0 && next < task_end) {
+        const auto* wn = reinterpret_cast<const char*>(w + next * w_group);
+        for (int64_t line = 0; line < w_group; line += 64) _mm_prefetch(wn + line, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(params + next * p_group), _MM_HINT_T0);
+      }
       __m512 a[M], b[M];
       for (int m = 0; m < M; ++m) a[m] = b[m] = _mm512_setzero_ps();
       format.template group_dots<M>(w + (nb * groups + g) * F::kChunks * 32, x, k, g * kGroup, a,
@@ -360,12 +377,23 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return matmul_bf16<Q8_0>(x, w, scale);
 }
 
+// Sets the weight prefetch distance in groups (0: none) where `groups` >= 0; returns the one
+// before.
+int64_t set_weight_prefetch(int64_t groups) {
+  return groups >= 0 ? weight_prefetch.exchange(groups) : weight_prefetch.load();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(maskwire_kernels, m) {
   m.def("int4_matmul(Tensor x, Tensor w, Tensor scale_low) -> Tensor");
   m.def("int8_matmul(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("int4_matmul_q8(Tensor x, Tensor w, Tensor scale_low) -> Tensor");
+  m.def("set_weight_prefetch(int groups) -> int");
+}
+
+TORCH_LIBRARY_IMPL(maskwire_kernels, CatchAll, m) {
+  m.impl("set_weight_prefetch", &set_weight_prefetch);
 }
 
 TORCH_LIBRARY_IMPL(maskwire_kernels, CPU, m) {

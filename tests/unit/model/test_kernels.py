@@ -138,6 +138,34 @@ def test_fp16_parameters_give_the_bits_of_the_same_values_in_fp32(rows: int) -> 
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_the_weight_prefetch_distance_leaves_every_output_bit_alone(rows: int) -> None:
+    """The bf16 matmuls prefetch their weights some groups ahead (a setting, 8 by default): at
+    any distance, none included, and for tasks shorter than it, the outputs are the same bits."""
+    g = torch.Generator().manual_seed(rows)
+    w4 = weight(960, 576, seed=rows)
+    w8 = Int8Weight.from_float(torch.randn(96, 576, generator=g))
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    cases = [
+        (kernels.int4_matmul, kernels.pack_int4(w4.q, w4.scale, w4.low)),
+        (kernels.int8_matmul, kernels.pack_int8(w8.q, w8.scale)),
+    ]
+    default = kernels.set_weight_prefetch(-1)
+    assert default == 8
+    try:
+        outputs = []
+        for distance in (0, 1, 8, 1000):
+            assert kernels.set_weight_prefetch(distance) in (default, 0, 1, 8)
+            assert kernels.set_weight_prefetch(-1) == distance
+            outputs.append([matmul(x, *packed) for matmul, packed in cases])
+    finally:
+        kernels.set_weight_prefetch(default)
+    for other in outputs[1:]:
+        for a, b in zip(outputs[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+@needs_kernel
 def test_the_bf16_q8_0_kernel_refuses_mismatched_inputs() -> None:
     w = Int8Weight.from_float(torch.randn(32, 64))
     packed = kernels.pack_int8(w.q, w.scale)

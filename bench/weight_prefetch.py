@@ -1,0 +1,87 @@
+"""The bf16 matmuls' software prefetch of their weights against none, in the fused decode pass of
+the embedded SmolLM2-135M.
+
+One model as the worker serves it on an AVX512-BF16 host (Q4_1 layers, Q8_0 head, the fused
+decode step); the passes (rows 1, 2, 4 and 8 at one context) alternate between the default
+prefetch distance and none (`kernels.set_weight_prefetch`), in turns that swap which goes first;
+each figure is the median of `--repeats` timings of `--calls` passes, each ratio the median of
+the per-repeat ratios. The logits must be equal bit for bit.
+
+Writes bench/results/weight_prefetch.json and .png. Usage: python bench/weight_prefetch.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.decode_step import MAX_ROWS, MAX_SEQ, compare, save  # noqa: E402
+from bench.forward import cpu_info  # noqa: E402
+from neuron_worker import kernels  # noqa: E402
+from neuron_worker.backends import create_backend  # noqa: E402
+from neuron_worker.graphs import ForwardRunner  # noqa: E402
+from neuron_worker.model import load_model  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+VARIANTS = ("prefetch", "none")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--context", type=int, default=100, help="each row's position")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=100, help="passes per timing")
+    parser.add_argument("--out", type=Path, default=RESULTS / "weight_prefetch.json")
+    args = parser.parse_args()
+    if not kernels.bf16_available():
+        raise SystemExit("no AVX512-BF16 kernels on this CPU")
+    model = load_model("default", dtype=torch.bfloat16, serving=True, quantize="int4").eval()
+    model.setup_caches(MAX_ROWS + 1, MAX_SEQ)
+    runner = ForwardRunner(
+        model,
+        create_backend("cpu", compile=True),
+        max_rows=MAX_ROWS,
+        max_seq=MAX_SEQ,
+        pad_slot=MAX_ROWS,
+        fused_decode=True,
+    )
+    default = kernels.set_weight_prefetch(-1)
+    results: dict[str, Any] = {
+        "cpu": cpu_info(),
+        "torch": torch.__version__,
+        "context": args.context,
+        "prefetch_groups": default,
+        "load_average": {"before": os.getloadavg()[0]},
+        "cases": [],
+    }
+    try:
+        with torch.inference_mode():
+            results["cases"] = compare(
+                {
+                    "prefetch": (runner, lambda: kernels.set_weight_prefetch(default)),
+                    "none": (runner, lambda: kernels.set_weight_prefetch(0)),
+                },
+                context=args.context,
+                repeats=args.repeats,
+                calls=args.calls,
+            )
+    finally:
+        kernels.set_weight_prefetch(default)
+    title = (
+        f"SmolLM2 bf16 decode pass, weights prefetched {default} groups ahead against none, "
+        f"context {args.context}"
+    )
+    save(results, args.out, VARIANTS, title)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
