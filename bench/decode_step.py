@@ -36,7 +36,7 @@ from bench.forward import cpu_info  # noqa: E402
 from neuron_worker import kernels  # noqa: E402
 from neuron_worker.backends import create_backend  # noqa: E402
 from neuron_worker.graphs import KV_ALIGN, ForwardRunner, Pass  # noqa: E402
-from neuron_worker.model import load_model  # noqa: E402
+from neuron_worker.model import Transformer, load_model  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 ROWS = (1, 4, 8)
@@ -65,6 +65,28 @@ def timed(runner: ForwardRunner, p: Pass, calls: int) -> float:
     for _ in range(calls):
         runner.run(p)
     return (time.perf_counter() - start) / calls
+
+
+def fused_runner(model: Transformer) -> ForwardRunner:
+    """`model` with caches for the comparisons' passes, through the fused decode step."""
+    model.setup_caches(MAX_ROWS + 1, MAX_SEQ)
+    backend = create_backend("cpu", compile=True)
+    return ForwardRunner(
+        model, backend, max_rows=MAX_ROWS, max_seq=MAX_SEQ, pad_slot=MAX_ROWS, fused_decode=True
+    )
+
+
+def comparison_args(parser: argparse.ArgumentParser, out: Path) -> argparse.Namespace:
+    """`compare`'s command line (context, repeats, calls, the results file); refuses to run
+    without the AVX512-BF16 kernels."""
+    parser.add_argument("--context", type=int, default=100, help="each row's position")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=100, help="passes per timing")
+    parser.add_argument("--out", type=Path, default=out)
+    args = parser.parse_args()
+    if not kernels.bf16_available():
+        raise SystemExit("no AVX512-BF16 kernels on this CPU")
+    return args
 
 
 def compare(

@@ -23,10 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.decode_step import MAX_ROWS, MAX_SEQ, compare, save  # noqa: E402
+from bench.decode_step import compare, comparison_args, fused_runner, save  # noqa: E402
 from bench.forward import cpu_info  # noqa: E402
-from neuron_worker import kernels  # noqa: E402
-from neuron_worker.backends import create_backend  # noqa: E402
 from neuron_worker.graphs import ForwardRunner  # noqa: E402
 from neuron_worker.model import load_model  # noqa: E402
 
@@ -40,22 +38,12 @@ def runner(params: str) -> ForwardRunner:
         scales = getattr(module, "q_scales", None)
         if params == "fp32" and scales is not None and scales.dtype == torch.float16:
             module.q_scales = scales.float()
-    model.setup_caches(MAX_ROWS + 1, MAX_SEQ)
-    backend = create_backend("cpu", compile=True)
-    return ForwardRunner(
-        model, backend, max_rows=MAX_ROWS, max_seq=MAX_SEQ, pad_slot=MAX_ROWS, fused_decode=True
-    )
+    return fused_runner(model)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--context", type=int, default=100, help="each row's position")
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--calls", type=int, default=100, help="passes per timing")
-    parser.add_argument("--out", type=Path, default=RESULTS / "kernel_params.json")
-    args = parser.parse_args()
-    if not kernels.bf16_available():
-        raise SystemExit("no AVX512-BF16 kernels on this CPU")
+    args = comparison_args(parser, RESULTS / "kernel_params.json")
     results: dict[str, Any] = {
         "cpu": cpu_info(),
         "torch": torch.__version__,

@@ -23,11 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.decode_step import MAX_ROWS, MAX_SEQ, compare, save  # noqa: E402
+from bench.decode_step import compare, comparison_args, fused_runner, save  # noqa: E402
 from bench.forward import cpu_info  # noqa: E402
 from neuron_worker import kernels  # noqa: E402
-from neuron_worker.backends import create_backend  # noqa: E402
-from neuron_worker.graphs import ForwardRunner  # noqa: E402
 from neuron_worker.model import load_model  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -36,22 +34,9 @@ VARIANTS = ("prefetch", "none")
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--context", type=int, default=100, help="each row's position")
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--calls", type=int, default=100, help="passes per timing")
-    parser.add_argument("--out", type=Path, default=RESULTS / "weight_prefetch.json")
-    args = parser.parse_args()
-    if not kernels.bf16_available():
-        raise SystemExit("no AVX512-BF16 kernels on this CPU")
-    model = load_model("default", dtype=torch.bfloat16, serving=True, quantize="int4").eval()
-    model.setup_caches(MAX_ROWS + 1, MAX_SEQ)
-    runner = ForwardRunner(
-        model,
-        create_backend("cpu", compile=True),
-        max_rows=MAX_ROWS,
-        max_seq=MAX_SEQ,
-        pad_slot=MAX_ROWS,
-        fused_decode=True,
+    args = comparison_args(parser, RESULTS / "weight_prefetch.json")
+    runner = fused_runner(
+        load_model("default", dtype=torch.bfloat16, serving=True, quantize="int4").eval()
     )
     default = kernels.set_weight_prefetch(-1)
     results: dict[str, Any] = {

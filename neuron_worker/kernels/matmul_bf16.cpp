@@ -159,17 +159,16 @@ void blocks_for_rows(const uint16_t* x, const float* xsum, int64_t k, const uint
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      const int64_t next = nb * groups + g + ahead;
-      if (ahead > 0 && next < task_end) {
-        const auto* wn = reinterpret_cast<const char*>(w + next * w_group);
+      const int64_t at = nb * groups + g;
+      if (ahead > 0 && at + ahead < task_end) {
+        const auto* wn = reinterpret_cast<const char*>(w + (at + ahead) * w_group);
         for (int64_t line = 0; line < w_group; line += 64) _mm_prefetch(wn + line, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(params + next * p_group), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(params + (at + ahead) * p_group), _MM_HINT_T0);
       }
       __m512 a[M], b[M];
       for (int m = 0; m < M; ++m) a[m] = b[m] = _mm512_setzero_ps();
-      format.template group_dots<M>(w + (nb * groups + g) * F::kChunks * 32, x, k, g * kGroup, a,
-                                    b);
-      const P* p = params + (nb * groups + g) * F::kParams * kBlock;
+      format.template group_dots<M>(w + at * w_group, x, k, g * kGroup, a, b);
+      const P* p = params + at * p_group;
       const __m512 scale = load_params(p);
       __m512 zero = scale;
       if constexpr (F::kParams == 2) zero = zero_of(scale, load_params(p + kBlock));
