@@ -16,6 +16,10 @@ latest earlier occurrence of its longest recent suffix:
 :class:`DraftBudget` decides how many drafts a request gets per step: it grows after fully
 accepted drafts, halves after fully rejected ones and, after a run of misses, pauses drafting for
 a cooldown that doubles each time, so a request whose text never repeats soon pays nothing.
+Drafts the speculation gate declines are scored against the tokens the request then emits, as
+their verification would have scored them: the acceptance estimate the gate decides by follows
+the text while nothing is verified (the budget's size and pauses, which limit what verification
+costs, follow verifications only).
 
 The drafters are deterministic: with the acceptance rule of the engine (a draft is kept iff the
 token sampled at its position equals it) the output distribution is exactly the target's.
@@ -340,6 +344,8 @@ class DraftBudget:
     # verification's counts weighted `RECENT` times the one before: copies come in runs.
     recent_accepted: float = field(default=0.0)
     recent_rejections: float = field(default=0.0)
+    # Declined drafts not scored yet, and the output index the first of them was proposed for.
+    _declined: tuple[list[int], int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.k <= 0:
@@ -357,6 +363,38 @@ class DraftBudget:
         drafts over recent accepted drafts and rejections, from a prior of one of each."""
         return (self.recent_accepted + 1) / (self.recent_accepted + self.recent_rejections + 2)
 
+    def _estimate(self, proposed: int, accepted: int) -> None:
+        """`acceptance`'s counts after `accepted` of `proposed` drafts were (or would have been)
+        accepted."""
+        self.recent_accepted = RECENT * self.recent_accepted + accepted
+        self.recent_rejections = RECENT * self.recent_rejections + (accepted < proposed)
+
+    def declined(self, drafts: Sequence[int], at: int) -> None:
+        """Drafts the gate declined, proposed for the output from index `at`: `score_declined`
+        scores them once the output shows how far they would have been accepted (one
+        proposal at a time: later ones are dropped while it waits)."""
+        if self._declined is None and drafts:
+            self._declined = (list(drafts), at)
+
+    def score_declined(self, output: Sequence[int]) -> None:
+        """Count the declined drafts (`declined`) in the acceptance estimate, once `output`
+        shows a token that differs from its draft or every draft's token. Verification keeps a
+        draft while it equals the token drawn at its position, and a plain step draws that
+        position's token with the same random number, so this is the outcome verification
+        would have had (bar a forced token the grammar inserts before them). Unlike a
+        verification it leaves the budget's size and pauses alone: declined drafts cost no
+        pass, and a paused budget would miss the next copy."""
+        if self._declined is None:
+            return
+        drafts, at = self._declined
+        seen = output[at : at + len(drafts)]
+        a = 0
+        while a < len(seen) and seen[a] == drafts[a]:
+            a += 1
+        if a < len(seen) or a == len(drafts):
+            self._declined = None
+            self._estimate(len(drafts), a)
+
     def record(self, proposed: int, accepted: int) -> None:
         """The outcome of a verification: `proposed` drafts reached the forward pass and the
         model agreed with the first `accepted` of them."""
@@ -364,8 +402,7 @@ class DraftBudget:
             return
         self.proposed += proposed
         self.accepted += accepted
-        self.recent_accepted = RECENT * self.recent_accepted + accepted
-        self.recent_rejections = RECENT * self.recent_rejections + (accepted < proposed)
+        self._estimate(proposed, accepted)
         c = self.config
         if accepted == proposed:
             self.k = min(c.num_draft_tokens, self.k + 1)

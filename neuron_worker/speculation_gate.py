@@ -41,6 +41,15 @@ tried (the drafts with their tails, then alone, then the plain step), and every 
 decisions one of the choices not taken is, in turn, so every estimate follows the load. Greedy
 output does not depend on the gate (verification is exact), and neither does sampling: a
 position's token is drawn with the same counter-based random number either way.
+
+Drafting itself costs the step loop time (each row's drafter, the draft statistics, the gate's
+decision: ~0.45 ms of a 15 ms step at 8 rows on 2 cores, where the passes' threads compete with
+it). Where the gate keeps declining at a batch size (85-95% of its decisions at 8 constrained
+rows on 2 AVX512-BF16 cores), that time buys nothing: c8 constrained read 0.87-0.90x against
+no speculation. So after `DraftPause.patience` declines in a row at a batch size, that batch
+size drafts nothing for a number of steps that doubles with each pause in a row (`DraftPause`);
+a decision to verify ends the pauses (c8 constrained 0.99-1.02x; docs/benchmarks.md, "Drafting
+where the gate may verify").
 """
 
 from __future__ import annotations
@@ -123,13 +132,47 @@ class PassCosts:
 
 
 @dataclass
+class DraftPause:
+    """Whether a batch size drafts this step: not for `first` steps after `patience` declines
+    in a row, twice as long after each further pause in a row (`most` at most), again as soon as
+    the gate decides to verify."""
+
+    patience: int = 4
+    first: int = 4
+    most: int = 32
+    declines: int = 0  # in a row, since the last pause or decision to verify
+    left: int = 0  # steps left without drafting
+    pauses: int = 0  # in a row
+
+    def drafting(self) -> bool:
+        """Whether this step drafts (counts a paused step down)."""
+        if self.left > 0:
+            self.left -= 1
+            return False
+        return True
+
+    def decided(self, verify: bool) -> None:
+        """The gate's best choice for a step with drafts: to verify some, or not."""
+        if verify:
+            self.declines = self.pauses = 0
+            return
+        self.declines += 1
+        if self.declines >= self.patience:
+            self.left = min(self.first << self.pauses, self.most)
+            self.pauses += 1
+            self.declines = 0
+
+
+@dataclass
 class SpeculationGate:
     """Step-cost model and decision (module docstring). `window`: the measurements per width
     whose median is its cost (`PassCosts`). `probe`: every how many decisions a choice not the
-    best is taken."""
+    best is taken. `pause`: declines in a row before a batch size pauses drafting (0: never;
+    `DraftPause`)."""
 
     window: int = 5
     probe: int = 128
+    pause: int = 4
     decisions: int = 0
     # The grammar's forced tokens per step, whatever the choice (jump-forward tokens and forced
     # drafts after them), and per choice that verifies drafts the tokens those forwarded beyond
@@ -143,10 +186,18 @@ class SpeculationGate:
     speculative: PassCosts = field(init=False)
     # The last decision and the drafts and tails it expected, until the step is recorded.
     _chosen: tuple[Verify, float] | None = field(default=None, init=False, repr=False)
+    _pauses: dict[int, DraftPause] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.plain = PassCosts(self.window)
         self.speculative = PassCosts(self.window)
+
+    def drafting(self, rows: int) -> bool:
+        """Whether a step of `rows` rows drafts at all (module docstring, `DraftPause`)."""
+        if not self.pause:
+            return True
+        pause = self._pauses.get(rows)
+        return pause is None or pause.drafting()
 
     def decide(self, rows: int, drafts: Sequence[tuple[int, float, float]]) -> Verify:
         """What to verify this step: `rows` in the batch, and for each row with drafts their
@@ -195,6 +246,9 @@ class SpeculationGate:
             known[Verify.DRAFTS] += deferred * max(0.0, known[Verify.TAILS] - known[Verify.DRAFTS])
         rates = {c: tokens[c] / known[c] for c in Verify if c in tokens}
         best = max(rates, key=rates.__getitem__)  # ties: the first (more verified)
+        if self.pause:
+            pause = self._pauses.setdefault(rows, DraftPause(patience=self.pause))
+            pause.decided(best != Verify.NONE)
         self.decisions += 1
         if self.decisions % self.probe == 0:
             others = [c for c in rates if c != best]

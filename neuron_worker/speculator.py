@@ -113,9 +113,13 @@ class Speculator:
         that closes a string of a constrained output (`_brings_tail`) is kept whole and not
         counted: the grammar's forced tail comes with it, and verified without a budget such
         copies paid at c8 where other drafts did not. Then the gate's decision: all of them
-        (with or without the grammar's forced tails after them), or none."""
+        (with or without the grammar's forced tails after them), or none. None at all, without
+        asking the drafters, while the gate pauses drafting at this batch size
+        (`SpeculationGate.drafting`)."""
         self._tailless = set()
         self._own_tokens = 0
+        if self.gate is not None and not self.gate.drafting(len(batch)):
+            return {}  # the gate keeps declining at this batch size: drafting buys nothing
         spec = self.config
         left = spec.pass_tokens - len(batch) if spec.pass_tokens else None
         drafts: Drafts = {}
@@ -131,6 +135,7 @@ class Speculator:
                 r.drafter = new_drafter(spec, self.tokenizer.token_bytes, self.tokenizer.encode)
                 r.budget = DraftBudget(spec)
             assert r.budget is not None
+            r.budget.score_declined(r.output)
             _sync_history(r.drafter, r)
             most = min(spec.num_draft_tokens, self.ledger.room(r) - 1)
             want = min(r.budget.want(), most)
@@ -161,6 +166,9 @@ class Speculator:
             self._tailless = set(drafts)
         if verify != Verify.NONE:
             return drafts
+        for r, d in drafts.items():
+            assert r.budget is not None
+            r.budget.declined(d, len(r.output))
         self.metrics.drafts(declined=sum(len(d) for d in drafts.values()))
         return {}
 

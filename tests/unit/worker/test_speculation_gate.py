@@ -203,3 +203,78 @@ def test_rows_dropped_before_the_forward_do_not_make_a_pass_free() -> None:
         g.record(2, 1, 0, 0.008)  # one of the two rows dropped: one token forwarded
     assert 0.0 <= g.forced < 0.01  # decays to none, never below
     assert g.decide(1, [(2, 0.5, 0.0)]) in set(Verify)
+
+
+def declining_gate(pause: int = 4) -> SpeculationGate:
+    """A gate whose measured costs make 8 rows' drafts not worth a pass, and 1 row's worth it."""
+    gate = SpeculationGate(probe=1000, pause=pause)
+    gate.record(8, 8, 0, 0.010)
+    gate.record(8, 12, 4, 0.012)
+    gate.record(1, 1, 0, 0.004)
+    gate.record(1, 5, 4, 0.0045)
+    return gate
+
+
+def test_a_batch_size_the_gate_keeps_declining_pauses_drafting() -> None:
+    gate = declining_gate()
+    few = [(4, 0.2, 0)]
+    for _ in range(4):
+        assert gate.drafting(8)
+        assert not verifies(gate, 8, few)
+    assert [gate.drafting(8) for _ in range(5)] == [False] * 4 + [True]
+    for _ in range(4):  # declined again: the next pause is twice as long
+        assert not verifies(gate, 8, few)
+    assert [gate.drafting(8) for _ in range(9)] == [False] * 8 + [True]
+    assert gate.drafting(1)  # other batch sizes draft on
+    assert verifies(gate, 1, few)
+
+
+def test_a_decision_to_verify_ends_the_pauses() -> None:
+    gate = declining_gate()
+    for _ in range(4):
+        verifies(gate, 8, [(4, 0.2, 0)])
+    assert not gate.drafting(8)
+    for _ in range(3):
+        gate.drafting(8)
+    assert verifies(gate, 8, [(4, 1.0, 0)])  # a copy worth its pass
+    for _ in range(3):  # fewer declines than the patience: no pause
+        verifies(gate, 8, [(4, 0.2, 0)])
+    assert gate.drafting(8)
+    verifies(gate, 8, [(4, 0.2, 0)])
+    assert [gate.drafting(8) for _ in range(5)] == [False] * 4 + [True]  # the first length again
+
+
+def test_pauses_are_capped_and_can_be_turned_off() -> None:
+    gate = declining_gate()
+    for _ in range(6):
+        for _ in range(4):
+            verifies(gate, 8, [(4, 0.2, 0)])
+        paused = 0
+        while not gate.drafting(8):
+            paused += 1
+    assert paused == 32
+    gate = declining_gate(pause=0)
+    for _ in range(20):
+        verifies(gate, 8, [(4, 0.2, 0)])
+        assert gate.drafting(8)
+
+
+def test_declined_drafts_count_in_the_acceptance_estimate_once_the_output_shows_them() -> None:
+    budget = DraftBudget(DraftConfig(num_draft_tokens=4))
+    budget.declined([7, 8, 9, 10], at=3)
+    budget.declined([1, 2], at=4)  # one at a time: dropped while the first waits
+    budget.score_declined([0, 0, 0])  # nothing emitted at index 3 yet
+    assert budget.acceptance() == 0.5
+    budget.score_declined([0, 0, 0, 7, 8])  # accepted so far: not scored yet
+    assert budget.acceptance() == 0.5
+    budget.score_declined([0, 0, 0, 7, 8, 5])  # the third would have been rejected
+    assert budget.acceptance() == pytest.approx((2 + 1) / (2 + 1 + 1 + 1))
+    assert budget.k == 4 and budget.want() == 4  # a declined miss leaves the budget's size
+    budget.declined([4, 5], at=6)
+    budget.score_declined([0, 0, 0, 7, 8, 5, 4, 5, 6])  # both would have been accepted
+    assert budget.acceptance() == pytest.approx((0.7 * 2 + 2 + 1) / (0.7 * 2 + 2 + 0.7 + 2))
+    for _ in range(6):  # misses only lower the estimate: no pause
+        budget.declined([1], at=0)
+        budget.score_declined([2])
+    assert budget.acceptance() < 0.3
+    assert budget.want() == 4

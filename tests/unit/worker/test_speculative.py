@@ -593,6 +593,47 @@ def test_a_pass_the_batch_fills_asks_no_free_text_drafter(budget: int, asked: li
     assert reqs[2] not in drafts
 
 
+def test_declined_drafts_are_scored_and_a_batch_size_the_gate_keeps_declining_drafts_nothing() -> (
+    None
+):
+    """Three rows whose drafts the gate declines: each row's declined drafts count in its
+    acceptance estimate once its output shows them (the first row's output went on as its
+    drafts did, the second's not: both would have been accepted, and the first rejected); a row
+    whose output does not show them yet keeps them for later; after the gate's
+    patience of declines at that batch size, the drafters are not asked for a while."""
+    engine, _ = make_engine(overlap=False, limit=30, speculative=token_drafts(4, gate=True))
+    assert engine.speculator is not None
+    gate = engine.speculator.gate
+    assert gate is not None
+    gate.record(3, 3, 0, 0.010)
+    gate.record(3, 9, 6, 0.040)  # drafts at 75% acceptance or less do not pay for such a pass
+    reqs = [make_request(i, constrained=False, max_tokens=30) for i in range(3)]
+    draft = [NORMAL[4], NORMAL[2]]
+    drafters = [Counted(draft) for _ in reqs]
+    for r, d in zip(reqs, drafters, strict=True):
+        r.drafter = d  # type: ignore[assignment]
+        r.budget = DraftBudget(engine.config.speculative)  # type: ignore[arg-type]
+        r.pending = NORMAL[1]
+        r.output = [NORMAL[1]]
+
+    assert engine.speculator.plan(reqs) == {}
+    reqs[0].output += draft
+    reqs[1].output += [NORMAL[3]]
+    reqs[2].output += [NORMAL[4]]  # the first draft so far
+    assert engine.speculator.plan(reqs) == {}
+    budgets = [r.budget for r in reqs]
+    assert None not in budgets
+    assert [b.acceptance() for b in budgets] == pytest.approx([3 / 4, 1 / 3, 1 / 2])  # type: ignore[union-attr]
+    for _ in range(2):
+        assert engine.speculator.plan(reqs) == {}
+    assert [d.asked for d in drafters] == [4, 4, 4]
+    for _ in range(4):  # four declines in a row: four steps without drafting
+        assert engine.speculator.plan(reqs) == {}
+    assert [d.asked for d in drafters] == [4, 4, 4]
+    engine.speculator.plan(reqs)
+    assert [d.asked for d in drafters] == [5, 5, 5]
+
+
 async def test_forced_draft_positions_get_no_logits_and_keep_their_drafts() -> None:
     """A verification row of two own drafts, three tokens the grammar forces (`jump`) and one
     draft after them: the pass asks logits for the own drafts, the tail's draft and the position
