@@ -386,6 +386,14 @@ def _speculation_flags(p: argparse.ArgumentParser) -> None:
         help="verify a step's drafts only when the step costs measured so far say the tokens "
         "they are expected to add pay for the wider pass (default on; off: verify every draft)",
     )
+    g.add_argument(
+        "--draft-pause-declines",
+        type=int,
+        default=DRAFTS.pause_declines,
+        help="the gate's declines in a row at a batch size after which that batch size drafts "
+        "nothing for 4 steps, then 8, ... 32 while the declines go on (default "
+        f"{DRAFTS.pause_declines}; 0: never pause)",
+    )
     _drafter_flags(g)
 
 

@@ -251,6 +251,7 @@ def _draft_config(args: argparse.Namespace) -> DraftConfig:
     """The drafter's settings from `--speculative ngram`'s flags."""
     _at_least("--num-draft-tokens", args.num_draft_tokens, 1)
     _at_least("--forced-draft-tokens", args.forced_draft_tokens, 0)
+    _at_least("--draft-pause-declines", args.draft_pause_declines, 0)
     match: DraftMatch = args.draft_match
     min_n, max_n = DEFAULT_SIZES[match]
     min_n = min_n if args.ngram_min is None else args.ngram_min
@@ -268,6 +269,7 @@ def _draft_config(args: argparse.Namespace) -> DraftConfig:
         max_n=max_n,
         pass_tokens=_verify_pass_tokens(args),
         gate=args.speculation_gate,
+        pause_declines=args.draft_pause_declines,
     )
 
 

@@ -39,7 +39,7 @@ DEFAULT_SIZES: dict[DraftMatch, tuple[int, int]] = {"tokens": (1, 4), "text": (2
 @dataclass(frozen=True)
 class DraftConfig:
     """Speculation settings (CLI: `--speculative`, `--num-draft-tokens`, `--draft-match`,
-    `--ngram-min/max`)."""
+    `--ngram-min/max`, `--speculation-gate`, `--draft-pause-declines`)."""
 
     num_draft_tokens: int = 4
     # Most drafts of the grammar's forced bytes per row and step (after its forced tokens, or
@@ -55,6 +55,9 @@ class DraftConfig:
     pass_tokens: int = 0
     # Verify drafts only when the measured step costs say they pay (`speculation_gate`).
     gate: bool = True
+    # The gate's declines in a row at a batch size before it pauses drafting there (0: never;
+    # `speculation_gate.DraftPause`).
+    pause_declines: int = 4
     # Consecutive fully rejected proposals before drafting pauses.
     patience: int = 2
     # First pause, in steps (doubles per pause, capped at `max_cooldown`).
@@ -76,6 +79,8 @@ class DraftConfig:
             raise ValueError("n-gram sizes must satisfy 1 <= min_n <= max_n")
         if self.pass_tokens < 0:
             raise ValueError("pass_tokens must be >= 0")
+        if self.pause_declines < 0:
+            raise ValueError("pause_declines must be >= 0")
 
 
 class Drafter(Protocol):

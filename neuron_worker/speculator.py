@@ -83,7 +83,7 @@ class Speculator:
         self.ledger = ledger
         self.metrics = metrics
         self.overlap = overlap
-        self.gate = SpeculationGate() if config.gate else None
+        self.gate = SpeculationGate(pause=config.pause_declines) if config.gate else None
         # Moving average of the grammar's drafts after a row's own (`rows`).
         self.forced_tail = config.forced_drafts / 2
         # This step's rows whose drafts are verified without the grammar's tail after them.

@@ -100,6 +100,12 @@ def test_verification_passes_are_budgeted_on_cpu_only() -> None:
     assert pass_tokens("--verify-pass-tokens", "20") == 20
 
 
+def test_the_drafting_pause_is_a_flag() -> None:
+    for argv, pause in (((), 4), (("--draft-pause-declines", "0"), 0)):
+        spec = build("--speculative", "ngram", *argv).engine.speculative
+        assert spec is not None and spec.pause_declines == pause
+
+
 def test_buckets_and_limits_are_resolved() -> None:
     config = build(
         "--max-batch-size", "6", "--batch-buckets", "2,4,16", "--token-buckets", "8,3",
@@ -150,6 +156,7 @@ def test_the_context_is_fitted_to_the_models(caplog: pytest.LogCaptureFixture) -
         (("--token-buckets", "-3"), "--token-buckets"),
         (("--speculative", "ngram", "--num-draft-tokens", "0"), "--num-draft-tokens"),
         (("--speculative", "ngram", "--forced-draft-tokens", "-1"), "--forced-draft-tokens"),
+        (("--speculative", "ngram", "--draft-pause-declines", "-1"), "--draft-pause-declines"),
         (("--speculative", "ngram", "--ngram-min", "3", "--ngram-max", "2"), "--ngram-min"),
         (("--speculative", "ngram", "--ngram-min", "0"), "--ngram-min"),
         (("--tensor-parallel-size", "0"), "--tensor-parallel-size"),

@@ -9,6 +9,7 @@ import math
 import time
 import types
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 from unittest import mock
 
@@ -632,6 +633,11 @@ def test_declined_drafts_are_scored_and_a_batch_size_the_gate_keeps_declining_dr
     assert [d.asked for d in drafters] == [4, 4, 4]
     engine.speculator.plan(reqs)
     assert [d.asked for d in drafters] == [5, 5, 5]
+
+    never = replace(token_drafts(4, gate=True), pause_declines=0)
+    engine, _ = make_engine(overlap=False, limit=30, speculative=never)
+    assert engine.speculator is not None and engine.speculator.gate is not None
+    assert engine.speculator.gate.pause == 0
 
 
 async def test_forced_draft_positions_get_no_logits_and_keep_their_drafts() -> None:
