@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from neuron_worker.speculation_gate import PAUSE_DECLINES
+
 DraftMatch = Literal["text", "tokens"]
 # Suffix lengths matched by default: tokens for `tokens`, bytes of text for `text`.
 DEFAULT_SIZES: dict[DraftMatch, tuple[int, int]] = {"tokens": (1, 4), "text": (2, 64)}
@@ -57,7 +59,7 @@ class DraftConfig:
     gate: bool = True
     # The gate's declines in a row at a batch size before it pauses drafting there (0: never;
     # `speculation_gate.DraftPause`).
-    pause_declines: int = 4
+    pause_declines: int = PAUSE_DECLINES
     # Consecutive fully rejected proposals before drafting pauses.
     patience: int = 2
     # First pause, in steps (doubles per pause, capped at `max_cooldown`).

@@ -131,13 +131,17 @@ class PassCosts:
         return c_lo + slope * (width - lo)
 
 
+# The gate's declines in a row at a batch size before drafting pauses there (`DraftPause`).
+PAUSE_DECLINES = 4
+
+
 @dataclass
 class DraftPause:
     """Whether a batch size drafts this step: not for `first` steps after `patience` declines
     in a row, twice as long after each further pause in a row (`most` at most), again as soon as
     the gate decides to verify."""
 
-    patience: int = 4
+    patience: int = PAUSE_DECLINES
     first: int = 4
     most: int = 32
     declines: int = 0  # in a row, since the last pause or decision to verify
@@ -172,7 +176,7 @@ class SpeculationGate:
 
     window: int = 5
     probe: int = 128
-    pause: int = 4
+    pause: int = PAUSE_DECLINES
     decisions: int = 0
     # The grammar's forced tokens per step, whatever the choice (jump-forward tokens and forced
     # drafts after them), and per choice that verifies drafts the tokens those forwarded beyond
