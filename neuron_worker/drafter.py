@@ -395,9 +395,7 @@ class DraftBudget:
             return
         drafts, at = self._declined
         seen = output[at : at + len(drafts)]
-        a = 0
-        while a < len(seen) and seen[a] == drafts[a]:
-            a += 1
+        a = accepted_prefix(seen, drafts)
         if a < len(seen) or a == len(drafts):
             self._declined = None
             self._estimate(len(drafts), a)

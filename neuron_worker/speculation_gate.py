@@ -198,9 +198,7 @@ class SpeculationGate:
 
     def drafting(self, rows: int) -> bool:
         """Whether a step of `rows` rows drafts at all (module docstring, `DraftPause`)."""
-        if not self.pause:
-            return True
-        pause = self._pauses.get(rows)
+        pause = self._pauses.get(rows)  # none where the gate never pauses (`pause` 0)
         return pause is None or pause.drafting()
 
     def decide(self, rows: int, drafts: Sequence[tuple[int, float, float]]) -> Verify:
@@ -251,7 +249,9 @@ class SpeculationGate:
         rates = {c: tokens[c] / known[c] for c in Verify if c in tokens}
         best = max(rates, key=rates.__getitem__)  # ties: the first (more verified)
         if self.pause:
-            pause = self._pauses.setdefault(rows, DraftPause(patience=self.pause))
+            pause = self._pauses.get(rows)
+            if pause is None:
+                pause = self._pauses[rows] = DraftPause(patience=self.pause)
             pause.decided(best != Verify.NONE)
         self.decisions += 1
         if self.decisions % self.probe == 0:
